@@ -1,0 +1,61 @@
+# tfimage developer entry points.  Everything runs as root on a Debian 12/13 machine.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: all venv lint spank spank-other images cluster-up cluster-down cluster-status \
+        demo test test-unit test-cluster bench clean
+
+all: venv spank
+
+$(VENV)/.done: pyproject.toml
+	bash deploy/local/packages.sh
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]' \
+	    --config-settings editable_mode=strict
+	touch $@
+
+venv: $(VENV)/.done
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	bash -n deploy/local/*.sh deploy/local/images/*.sh .ci/run
+
+spank:
+	$(MAKE) -C spank all check-exports
+
+# The other Slurm generation's spank.h, so both plugin code paths always compile.
+spank-other:
+	bash spank/build-other.sh
+
+images:
+	bash deploy/local/images/build.sh build/images
+
+cluster-up:
+	bash deploy/local/cluster.sh up
+
+cluster-down:
+	bash deploy/local/cluster.sh down
+
+cluster-status:
+	bash deploy/local/cluster.sh status
+
+demo: cluster-up
+	bash deploy/local/demo.sh
+
+test-unit: venv
+	$(VENV)/bin/pytest -q tests/unit
+
+test-cluster: venv
+	$(VENV)/bin/pytest -q tests/cluster
+
+# The whole suite: lint, both plugin builds, unit tests, then the cluster tier.
+test: venv lint spank spank-other cluster-up
+	$(VENV)/bin/pytest -q tests
+
+bench: venv
+	$(VENV)/bin/python bench/run.py
+
+clean:
+	rm -rf build spank/build $(VENV)

@@ -1,0 +1,192 @@
+"""The node-local image cache, content-addressed by manifest digest.
+
+Layout under ``cache_dir`` (root-owned, 0755)::
+
+    images/sha256-<hex>.sif     published images, mode 0444, never rewritten
+    images/sha256-<hex>.json    metadata: refs, size, created, last_used
+    locks/sha256-<hex>.lock     one flock per digest, so one download per image
+    tmp/                        downloads in progress, same filesystem as images/
+
+A download is streamed to ``tmp/``, checked for size, sha256 and SIF magic while
+it arrives, fsynced, then renamed into ``images/``: a reader sees a whole
+verified image or nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tfimage.agent.artifact import sif_layer
+from tfimage.agent.config import Config
+from tfimage.agent.credentials import load_credentials
+from tfimage.agent.errors import CacheError, RegistryError, VerificationError
+from tfimage.agent.reference import Reference
+from tfimage.agent.registry import RegistryClient
+from tfimage.agent.sif import has_magic
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class CachedImage:
+    ref: Reference  # pinned
+    path: Path
+    size: int
+    hit: bool
+    seconds: float
+
+
+def client_for(cfg: Config, host: str) -> RegistryClient:
+    creds = load_credentials(cfg.credentials)
+    return RegistryClient(
+        host,
+        creds.get(host),
+        ca_bundle=cfg.ca_bundle,
+        connect_timeout=cfg.connect_timeout,
+        read_timeout=cfg.read_timeout,
+    )
+
+
+def _key(digest: str) -> str:
+    return digest.replace(":", "-")
+
+
+class ImageCache:
+    def __init__(
+        self, cfg: Config, client_factory: Callable[[str], RegistryClient] | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.root = Path(cfg.cache_dir)
+        self._client_factory = client_factory or (lambda host: client_for(cfg, host))
+
+    def _dirs(self) -> None:
+        for sub in ("", "images", "locks", "tmp"):
+            d = self.root / sub
+            d.mkdir(mode=0o755, exist_ok=True, parents=(sub == ""))
+
+    def path_of(self, digest: str) -> Path:
+        return self.root / "images" / f"{_key(digest)}.sif"
+
+    @contextlib.contextmanager
+    def _lock(self, digest: str) -> Iterator[None]:
+        fd = os.open(
+            self.root / "locks" / f"{_key(digest)}.lock",
+            os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+            0o600,
+        )
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def ensure(self, ref: Reference, progress: Progress | None = None) -> CachedImage:
+        """Make sure the image ``ref`` names is in the cache; return it pinned."""
+        started = time.monotonic()
+        self._dirs()
+        client = self._client_factory(ref.registry)
+        if ref.digest and self.path_of(ref.digest).exists():
+            path = self.path_of(ref.digest)
+            self._touch(ref, ref.digest)
+            return CachedImage(ref, path, path.stat().st_size, True, time.monotonic() - started)
+        manifest = client.manifest(ref.repository, ref.version)
+        pinned = ref.pinned(manifest.digest)
+        path = self.path_of(manifest.digest)
+        with self._lock(manifest.digest):
+            hit = path.exists()
+            if not hit:
+                layer = sif_layer(manifest)
+                self._download(client, ref, layer.digest, layer.size, path, progress)
+            self._touch(pinned, manifest.digest)
+        return CachedImage(pinned, path, path.stat().st_size, hit, time.monotonic() - started)
+
+    def _download(
+        self,
+        client: RegistryClient,
+        ref: Reference,
+        digest: str,
+        size: int,
+        dest: Path,
+        progress: Progress | None,
+    ) -> None:
+        tmp = self.root / "tmp" / f"{dest.stem}.partial"
+        h = hashlib.sha256()
+        got = 0
+        try:
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+            )
+            with os.fdopen(fd, "wb") as out:
+                head = b""
+                for chunk in client.blob_chunks(ref.repository, digest):
+                    got += len(chunk)
+                    if got > size:
+                        raise VerificationError(
+                            f"{ref.name}: blob is larger than the {size} bytes the manifest says"
+                        )
+                    if len(head) < 64:
+                        head += chunk[: 64 - len(head)]
+                    h.update(chunk)
+                    out.write(chunk)
+                    if progress:
+                        progress(got, size)
+                if got != size:
+                    raise VerificationError(f"{ref.name}: got {got} of {size} bytes")
+                if "sha256:" + h.hexdigest() != digest:
+                    raise VerificationError(f"{ref.name}: sha256 of the download does not match")
+                if not has_magic(head):
+                    raise VerificationError(f"{ref.name}: the download is not a SIF file")
+                out.flush()
+                os.fsync(out.fileno())
+            os.chmod(tmp, 0o444)
+            os.rename(tmp, dest)
+            dirfd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dirfd)
+            finally:
+                os.close(dirfd)
+        except OSError as e:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise CacheError(f"{self.root}: cannot store {ref.name}: {e.strerror}") from None
+        except (VerificationError, RegistryError):
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+
+    def _touch(self, ref: Reference, digest: str) -> None:
+        meta_path = self.root / "images" / f"{_key(digest)}.json"
+        now = time.time()
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (FileNotFoundError, ValueError):
+            meta = {"digest": digest, "refs": [], "created": now}
+        name = f"{ref.name}:{ref.tag}" if ref.tag else ref.name
+        if name not in meta["refs"]:
+            meta["refs"].append(name)
+        meta["last_used"] = now
+        meta["size"] = self.path_of(digest).stat().st_size
+        tmp = meta_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(meta, sort_keys=True))
+        os.replace(tmp, meta_path)
+
+    def entries(self) -> list[dict[str, Any]]:
+        out = []
+        images = self.root / "images"
+        if not images.is_dir():
+            return []
+        for meta_path in sorted(images.glob("*.json")):
+            try:
+                out.append(json.loads(meta_path.read_text()))
+            except (OSError, ValueError):
+                continue
+        return out

@@ -1,0 +1,214 @@
+"""The ``tfimage`` command: operators' view of a node, and the plugin's helper.
+
+Exit codes: 0 ok; 1 usage or unexpected state; 2 bad config, credentials or
+reference; 3 the image or runtime could not be prepared; 70 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tfimage.agent.config import DEFAULT_PATH, Config, load_config
+from tfimage.agent.errors import TfimageError
+
+import tfimage
+
+EXIT_INTERNAL = 70
+
+
+def _config(args: argparse.Namespace) -> Config:
+    return load_config(args.config)
+
+
+def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
+    print(json.dumps(data, sort_keys=True) if getattr(args, "json", False) else text)
+
+
+class _Bar:
+    """A progress bar on stderr, only when stderr is a terminal."""
+
+    def __init__(self) -> None:
+        self.on = sys.stderr.isatty()
+        self.last = 0.0
+
+    def __call__(self, got: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.on or (now - self.last < 0.1 and got < total):
+            return
+        self.last = now
+        frac = got / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(f"\r[{bar:<30}] {frac:6.1%} {got >> 20}/{total >> 20} MiB")
+        if got >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def cmd_resolve(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    ref = cfg.reference(args.ref)
+    if not args.offline:
+        from tfimage.agent.cache import client_for
+
+        manifest = client_for(cfg, ref.registry).manifest(ref.repository, ref.version)
+        ref = ref.pinned(manifest.digest)
+    _emit(
+        args,
+        {
+            "reference": str(ref),
+            "registry": ref.registry,
+            "repository": ref.repository,
+            "tag": ref.tag,
+            "digest": ref.digest,
+        },
+        str(ref),
+    )
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from tfimage.agent.cache import ImageCache
+
+    cfg = _config(args)
+    got = ImageCache(cfg).ensure(cfg.reference(args.ref), progress=_Bar())
+    _emit(
+        args,
+        {
+            "reference": str(got.ref),
+            "path": str(got.path),
+            "size": got.size,
+            "hit": got.hit,
+            "seconds": round(got.seconds, 3),
+        },
+        f"{got.ref} {'(cached)' if got.hit else 'pulled'} -> {got.path}",
+    )
+    return 0
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from tfimage.agent.cache import client_for
+
+    cfg = _config(args)
+    ref = cfg.reference(args.ref)
+    if ref.digest or not ref.tag:
+        raise TfimageError("push needs a reference with a tag and no digest")
+    sif = Path(args.sif)
+    digest = client_for(cfg, ref.registry).push_sif(ref.repository, ref.tag, sif)
+    _emit(args, {"reference": str(ref.pinned(digest))}, str(ref.pinned(digest)))
+    return 0
+
+
+def cmd_cache_ls(args: argparse.Namespace) -> int:
+    from tfimage.agent.cache import ImageCache
+
+    entries = ImageCache(_config(args)).entries()
+    if args.json:
+        print(json.dumps(entries, sort_keys=True))
+        return 0
+    print(f"{'DIGEST':<19}  {'SIZE':>9}  {'LAST USED':<19}  REFS")
+    for e in entries:
+        used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e.get("last_used", 0))))
+        size = f"{int(e.get('size', 0)) / (1 << 20):.1f}M"
+        print(f"{str(e['digest'])[:19]:<19}  {size:>9}  {used:<19}  {', '.join(e['refs'])}")
+    return 0
+
+
+def cmd_step_prepare(args: argparse.Namespace) -> int:
+    from tfimage.agent.step import StepRequest, prepare_step
+
+    if os.geteuid() != 0:
+        raise TfimageError("step-prepare runs as root, from the SPANK plugin")
+    req = StepRequest(
+        job_id=args.job,
+        step_id=args.step,
+        uid=args.uid,
+        image=args.image,
+        workdir=args.workdir or None,
+        script=args.script or None,
+        gpus=args.gpus,
+    )
+    argv = prepare_step(_config(args), req)
+    # NUL-separated: the plugin reads this straight into an argv.
+    sys.stdout.write("\0".join(argv) + "\0")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tfimage",
+        description="Inspect and manage a node's tfimage cache; helpers for the Slurm plugin.",
+        epilog="Exit codes: 0 ok, 1 error, 2 bad config/credentials/reference, "
+        "3 image or runtime not ready, 70 internal error.",
+    )
+    p.add_argument("--version", action="version", version=f"tfimage {tfimage.__version__}")
+    p.add_argument(
+        "--config",
+        default=os.environ.get("TFIMAGE_CONFIG") or str(DEFAULT_PATH),
+        help=f"site config file (default $TFIMAGE_CONFIG or {DEFAULT_PATH})",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("resolve", help="print the pinned (@sha256) form of an image reference")
+    r.add_argument("ref", help="image reference, e.g. tf-custom:2.0")
+    r.add_argument(
+        "--offline",
+        action="store_true",
+        help="only check and expand the reference; do not contact the registry",
+    )
+    r.add_argument("--json", action="store_true", help="machine-readable output")
+    r.set_defaults(func=cmd_resolve)
+
+    pl = sub.add_parser("pull", help="pull an image into this node's cache")
+    pl.add_argument("ref", help="image reference")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(func=cmd_pull)
+
+    ps = sub.add_parser("push", help="push a SIF file as an ORAS artifact (Apptainer's format)")
+    ps.add_argument("sif", help="path of the .sif file")
+    ps.add_argument("ref", help="destination reference with a tag")
+    ps.add_argument("--json", action="store_true", help="machine-readable output")
+    ps.set_defaults(func=cmd_push)
+
+    c = sub.add_parser("cache", help="inspect the node cache")
+    csub = c.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+    ls = csub.add_parser("ls", help="list cached images")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.set_defaults(func=cmd_cache_ls)
+
+    sp = sub.add_parser(
+        "step-prepare", help="(plugin helper, root) ready the image for a step, print its argv"
+    )
+    sp.add_argument("--job", required=True)
+    sp.add_argument("--step", required=True)
+    sp.add_argument("--uid", required=True, type=int)
+    sp.add_argument("--image", required=True)
+    sp.add_argument("--workdir", default="")
+    sp.add_argument("--script", default="")
+    sp.add_argument("--gpus", action="store_true")
+    sp.set_defaults(func=cmd_step_prepare)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except TfimageError as e:
+        print(f"tfimage: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # one line for a person, never a traceback
+        print(f"tfimage: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Site configuration, read from ``/etc/tfimage/config.yaml`` (root-owned).
+
+Unknown keys are errors, so a typo never silently falls back to a default.
+Hooks are told the path explicitly; nothing here reads a job's environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tfimage.agent.errors import ConfigError
+from tfimage.agent.reference import Reference, check_allowed, parse_reference
+
+DEFAULT_PATH = Path("/etc/tfimage/config.yaml")
+RUNTIMES = ("charliecloud", "apptainer", "singularity")
+
+
+@dataclass(frozen=True)
+class Config:
+    registry: str = "harbor.example"
+    project: str = "library"
+    mirrors: tuple[str, ...] = ()
+    allowed_registries: tuple[str, ...] = ()
+    ca_bundle: str | None = None
+    credentials: str = "/etc/tfimage/credentials.yaml"
+    cache_dir: str = "/var/cache/tfimage"
+    state_dir: str = "/run/tfimage"
+    runtime: str = "charliecloud"
+    runtime_path: str | None = None
+    connect_timeout: float = 5.0
+    read_timeout: float = 30.0
+    hook_deadline: float = 900.0
+    default_mounts: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def allowlist(self) -> tuple[str, ...]:
+        """The admin's allowlist; by default the registry and its mirrors."""
+        return self.allowed_registries or (self.registry, *self.mirrors)
+
+    def reference(self, text: str) -> Reference:
+        """Parse ``text`` with this site's defaults and allowlist."""
+        ref = parse_reference(text, self.registry, self.project)
+        check_allowed(ref, self.allowlist)
+        return ref
+
+
+_TUPLES = {"mirrors", "allowed_registries", "default_mounts"}
+_FLOATS = {"connect_timeout", "read_timeout", "hook_deadline"}
+
+
+def _coerce(key: str, value: Any, path: Path) -> Any:
+    if key in _TUPLES:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{path}: '{key}' must be a list of strings")
+        return tuple(value)
+    if key in _FLOATS:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ConfigError(f"{path}: '{key}' must be a positive number")
+        return float(value)
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"{path}: '{key}' must be a string")
+    return value
+
+
+def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Config:
+    known = {f.name for f in fields(Config)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown setting(s): {', '.join(unknown)}")
+    values = {k: _coerce(k, v, path) for k, v in data.items()}
+    cfg = Config(**values)
+    if cfg.runtime not in RUNTIMES:
+        raise ConfigError(f"{path}: runtime must be one of {', '.join(RUNTIMES)}")
+    for key in ("cache_dir", "state_dir"):
+        if not str(getattr(cfg, key)).startswith("/"):
+            raise ConfigError(f"{path}: '{key}' must be an absolute path")
+    return cfg
+
+
+def load_config(path: str | Path | None = None) -> Config:
+    p = Path(path) if path else DEFAULT_PATH
+    try:
+        raw = p.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such config file") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: must be a mapping of settings")
+    return config_from_mapping(data, p)

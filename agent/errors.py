@@ -1,0 +1,54 @@
+"""Every exception tfimage raises on purpose, in one place.
+
+    TfimageError                 base; ``str(e)`` is a one-line message for a person
+    +-- ConfigError              bad or unreadable config file              (exit 2)
+    +-- CredentialsError         credentials file unsafe or malformed       (exit 2)
+    +-- ReferenceError           malformed or disallowed image reference    (exit 2)
+    +-- ImageError               the image can't be had; never drains a node (exit 3)
+    |   +-- RegistryError        registry unreachable, auth refused, not found
+    |   +-- VerificationError    size, digest, media type or SIF magic wrong
+    |   +-- CacheError           the node cache can't store or publish it
+    +-- RuntimeSetupError        mounting or preparing the runtime failed   (exit 3)
+
+Anything else escaping is a bug; the CLI prints it as one line with exit 70.
+"""
+
+from __future__ import annotations
+
+
+class TfimageError(Exception):
+    """Base class.  ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class ConfigError(TfimageError):
+    exit_code = 2
+
+
+class CredentialsError(TfimageError):
+    exit_code = 2
+
+
+class ReferenceError(TfimageError):
+    exit_code = 2
+
+
+class ImageError(TfimageError):
+    exit_code = 3
+
+
+class RegistryError(ImageError):
+    pass
+
+
+class VerificationError(ImageError):
+    pass
+
+
+class CacheError(ImageError):
+    pass
+
+
+class RuntimeSetupError(TfimageError):
+    exit_code = 3

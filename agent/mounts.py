@@ -1,0 +1,146 @@
+"""Per-job mounts on a node, for runtimes that need a mounted root filesystem.
+
+Under ``state_dir/jobs/<jobid>/`` (root-owned, 0755)::
+
+    img-<hex12>/          the SIF's squashfs partition, via squashfuse (read-only)
+    step-<stepid>/skel/   empty directories to bind host paths onto
+    step-<stepid>/root/   read-only overlay of skel over the image: what ch-run runs
+
+Why the overlay: ch-run can only bind onto directories that exist in the image,
+and a SIF is read-only.  The skeleton holds the mount points (working directory,
+home, batch script directory) without ever touching the user's paths as root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tfimage.agent import proc
+from tfimage.agent.errors import RuntimeSetupError
+from tfimage.agent.sif import root_partition
+
+MOUNT_TIMEOUT = 30.0
+_JOB = re.compile(r"[0-9]{1,10}\Z")
+_STEP = re.compile(r"[0-9]{1,10}\Z")
+
+
+def job_dir(state_dir: str, job_id: str) -> Path:
+    if not _JOB.match(job_id):
+        raise RuntimeSetupError(f"invalid job id {job_id!r}")
+    return Path(state_dir) / "jobs" / job_id
+
+
+def safe_abspath(path: str, what: str) -> str:
+    """A path from a job, accepted only when absolute and already normal."""
+    if (
+        not path.startswith("/")
+        or "\0" in path
+        or len(path) > 4096
+        or os.path.normpath(path) != path
+        or path.startswith("//")
+    ):
+        raise RuntimeSetupError(f"{what} {path[:200]!r} is not a normal absolute path")
+    return path
+
+
+@contextlib.contextmanager
+def job_lock(state_dir: str, job_id: str) -> Iterator[None]:
+    """Serialise the mounts of one job: its steps may start at the same moment."""
+    base = job_dir(state_dir, job_id)
+    _mkdirs(Path(state_dir), base.parent)
+    fd = os.open(f"{base}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def mounted(path: Path) -> bool:
+    target = str(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+def _mkdirs(state_dir: Path, path: Path) -> None:
+    """mkdir -p below a root-owned tree of our own, refusing links on the way."""
+    fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for part in path.relative_to(state_dir).parts:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o755, dir_fd=fd)
+            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    finally:
+        os.close(fd)
+
+
+def mount_image(state_dir: str, job_id: str, sif: Path, digest: str) -> Path:
+    """Mount the SIF's root partition for this job (idempotent)."""
+    base = job_dir(state_dir, job_id)
+    target = base / f"img-{digest.split(':')[1][:12]}"
+    if mounted(target):
+        return target
+    _mkdirs(Path(state_dir), target)
+    with sif.open("rb") as f:
+        part = root_partition(f, sif.stat().st_size)
+    proc.run(
+        ["squashfuse", "-o", f"ro,offset={part.offset},allow_other", str(sif), str(target)],
+        timeout=MOUNT_TIMEOUT,
+        what="mounting the image",
+    )
+    return target
+
+
+def step_root(
+    state_dir: str, job_id: str, step_id: str, image: Path, mountpoints: Iterable[str]
+) -> Path:
+    """A read-only overlay of the image with ``mountpoints`` present as directories."""
+    if not _STEP.match(step_id):
+        raise RuntimeSetupError(f"invalid step id {step_id!r}")
+    base = job_dir(state_dir, job_id) / f"step-{step_id}"
+    root = base / "root"
+    if mounted(root):
+        return root
+    skel = base / "skel"
+    for p in mountpoints:
+        _mkdirs(Path(state_dir), skel / safe_abspath(p, "mount point").lstrip("/"))
+    _mkdirs(Path(state_dir), root)
+    proc.run(
+        ["mount", "-t", "overlay", "overlay", "-o", f"ro,lowerdir={skel}:{image}", str(root)],
+        timeout=MOUNT_TIMEOUT,
+        what="preparing the container root",
+    )
+    return root
+
+
+def release_job(state_dir: str, job_id: str) -> list[str]:
+    """Unmount everything of the job, deepest first, and remove its directory.
+
+    Returns the mount points that would not unmount (they are detached lazily, so
+    the node never hangs on a busy FUSE mount).
+    """
+    base = job_dir(state_dir, job_id)
+    prefix = str(base) + "/"
+    with open("/proc/self/mountinfo") as f:
+        targets = [line.split()[4] for line in f if line.split()[4].startswith(prefix)]
+    stuck = []
+    for target in sorted(targets, key=len, reverse=True):
+        try:
+            proc.run(["umount", target], timeout=MOUNT_TIMEOUT, what="unmounting")
+        except RuntimeSetupError:
+            stuck.append(target)
+            with contextlib.suppress(RuntimeSetupError):
+                proc.run(["umount", "-l", target], timeout=MOUNT_TIMEOUT, what="unmounting")
+    if base.exists() and not any(mounted(Path(t)) for t in targets):
+        shutil.rmtree(base, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"{base}.lock")
+    return stuck

@@ -1,0 +1,34 @@
+"""Run a helper program with a deadline and no shell; never hang a hook."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Sequence
+
+from tfimage.agent.errors import RuntimeSetupError
+
+# A fixed, minimal environment: nothing from a job leaks into root-side tools.
+SAFE_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
+
+
+def run(argv: Sequence[str], *, timeout: float, what: str) -> str:
+    """Run ``argv``; return stdout.  Failure or timeout raises with the tool's last line."""
+    try:
+        done = subprocess.run(
+            list(argv),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=SAFE_ENV,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeSetupError(f"{what}: {argv[0]} did not finish in {timeout:.0f} s") from None
+    except FileNotFoundError:
+        raise RuntimeSetupError(f"{what}: {argv[0]} is not installed") from None
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        last = lines[-1] if lines else f"exit status {done.returncode}"
+        raise RuntimeSetupError(f"{what}: {last}")
+    return done.stdout

@@ -1,0 +1,146 @@
+"""Image references: one strict parser used by the plugin helper, the hooks and the CLI.
+
+Accepted forms (``[oras://|docker://]`` may prefix any of them)::
+
+    name[:tag][@sha256:<64 hex>]                 -> <registry>/<project>/name
+    project/name[:tag][@sha256:<64 hex>]         -> <registry>/project/name
+    host[:port]/path[/...][:tag][@sha256:<64 hex>]
+
+The first component is a host when it contains ``.`` or ``:`` or is ``localhost``
+(Docker's rule).  A missing tag means ``latest``.  ``oras://`` names a SIF
+artifact, ``docker://`` an OCI image; with neither, the manifest decides.
+
+Everything here is pure: parsing never touches the network or the disk.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tfimage.agent.errors import ReferenceError
+
+MAX_REFERENCE = 512
+MAX_REPOSITORY = 255
+
+_COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*\Z")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}\Z")
+_HOST = re.compile(
+    r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+    r"(?::[0-9]{1,5})?\Z"
+)
+_TRANSPORTS = ("oras", "docker")
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """A fully qualified reference.  ``str()`` gives the canonical form."""
+
+    registry: str
+    repository: str
+    tag: str | None = None
+    digest: str | None = None
+    transport: str | None = None
+
+    def __str__(self) -> str:
+        prefix = f"{self.transport}://" if self.transport else ""
+        tag = f":{self.tag}" if self.tag else ""
+        digest = f"@{self.digest}" if self.digest else ""
+        return f"{prefix}{self.registry}/{self.repository}{tag}{digest}"
+
+    @property
+    def name(self) -> str:
+        """Registry and repository, no tag or digest."""
+        return f"{self.registry}/{self.repository}"
+
+    @property
+    def version(self) -> str:
+        """What to ask the registry for: the digest when pinned, else the tag."""
+        return self.digest or self.tag or "latest"
+
+    def pinned(self, digest: str) -> Reference:
+        """This reference with ``digest`` attached (the tag is kept for the record)."""
+        if not _DIGEST.match(digest):
+            raise ReferenceError(f"not a sha256 digest: {digest!r}")
+        return Reference(self.registry, self.repository, self.tag, digest, self.transport)
+
+
+def _fail(text: str, why: str) -> ReferenceError:
+    shown = text if len(text) <= 80 else text[:77] + "..."
+    return ReferenceError(f"invalid image reference {shown!r}: {why}")
+
+
+def parse_reference(text: str, default_registry: str, default_project: str) -> Reference:
+    """Parse ``text`` strictly; raise :class:`ReferenceError` naming the problem."""
+    if not isinstance(text, str):
+        raise ReferenceError("image reference must be a string")
+    if not text:
+        raise _fail(text, "it is empty")
+    if len(text) > MAX_REFERENCE:
+        raise _fail(text, f"longer than {MAX_REFERENCE} characters")
+    if any(c.isspace() or not c.isprintable() for c in text):
+        raise _fail(text, "it contains whitespace or control characters")
+
+    rest = text
+    transport: str | None = None
+    if "://" in rest:
+        scheme, rest = rest.split("://", 1)
+        if scheme not in _TRANSPORTS:
+            raise _fail(text, f"unknown prefix '{scheme}://' (use oras:// or docker://)")
+        transport = scheme
+
+    digest: str | None = None
+    if "@" in rest:
+        rest, digest = rest.split("@", 1)
+        if not _DIGEST.match(digest):
+            raise _fail(text, "digest must be 'sha256:' followed by 64 lowercase hex digits")
+
+    tag: str | None = None
+    slash = rest.rfind("/")
+    colon = rest.rfind(":")
+    if colon > slash:
+        rest, tag = rest[:colon], rest[colon + 1 :]
+        if not _TAG.match(tag):
+            raise _fail(text, f"tag {tag!r} must be 1-128 of letters, digits, '_', '.', '-'")
+
+    if not rest:
+        raise _fail(text, "no image name")
+    parts = rest.split("/")
+    first = parts[0]
+    if len(parts) > 1 and ("." in first or ":" in first or first == "localhost"):
+        registry = first
+        if not _HOST.match(registry):
+            raise _fail(text, f"registry {registry!r} is not a valid host[:port]")
+        port = registry.rpartition(":")[2] if ":" in registry else ""
+        if port and not 0 < int(port) < 65536:
+            raise _fail(text, f"registry port {port} is out of range")
+        path = parts[1:]
+    else:
+        registry = default_registry
+        path = parts if len(parts) > 1 else [default_project, *parts]
+
+    for component in path:
+        if not component:
+            raise _fail(text, "empty path component ('//' or a trailing '/')")
+        if not _COMPONENT.match(component):
+            raise _fail(
+                text,
+                f"path component {component!r} must be lowercase letters and digits "
+                "separated by '.', '_', '__' or '-'",
+            )
+    repository = "/".join(path)
+    if len(repository) > MAX_REPOSITORY:
+        raise _fail(text, f"repository name longer than {MAX_REPOSITORY} characters")
+    if tag is None and digest is None:
+        tag = "latest"
+    return Reference(registry, repository, tag, digest, transport)
+
+
+def check_allowed(ref: Reference, allowed: tuple[str, ...]) -> None:
+    """Refuse registries that are not on the admin's allowlist."""
+    if ref.registry not in allowed:
+        raise ReferenceError(
+            f"registry {ref.registry!r} is not allowed here (allowed: {', '.join(allowed)})"
+        )

@@ -1,0 +1,345 @@
+#!/usr/bin/env bash
+# A whole Slurm cluster on one machine, for the demo and the cluster tests.
+#
+#   cluster.sh up     munge, a TLS registry standing in for Harbor, slurmctld, and
+#                     slurmd n1 and n2, each in its own network, UTS and mount
+#                     namespace; tfimage installed and wired in; images pushed.
+#   cluster.sh down   stops all of it: no process, mount, namespace or link left.
+#   cluster.sh status
+#
+# `up` is a clean restart when the cluster is already up.  Spool directories live
+# under /var/lib, outside /tmp, so nothing is visible in a container by accident.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+STATE=${TFIMAGE_LOCAL_STATE:-/var/lib/tfimage-local}
+ETC=$STATE/etc
+RUN=$STATE/run
+LOGS=$STATE/log
+PREFIX=${TFIMAGE_PREFIX:-/opt/tfimage}
+BRIDGE=tfbr0
+NET=10.203.0
+CTL_ADDR=$NET.1
+NODES=(n1 n2)
+REG_PORT=5443
+REGISTRY=$CTL_ADDR:$REG_PORT
+TEST_USER=${TFIMAGE_TEST_USER:-tfuser}
+ROBOT='robot$tfimage+ci'
+ENV_FILE=$REPO/build/cluster.env
+
+log() { printf 'cluster: %s\n' "$*" >&2; }
+die() { printf 'cluster: error: %s\n' "$*" >&2; exit 1; }
+
+node_addr() { # n1 -> .11
+    echo "$NET.$((10 + ${1#n}))"
+}
+
+alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+# ---------------------------------------------------------------------------- down
+
+kill_ns_procs() { # every process sharing NODE's recorded mount namespace
+    local nsfile=$RUN/$1.mntns ns pid
+    [ -f "$nsfile" ] || return 0
+    ns=$(cat "$nsfile")
+    for _ in 1 2 3 4 5 6 7 8 9 10; do
+        local pids=()
+        for p in /proc/[0-9]*; do
+            pid=${p#/proc/}
+            [ "$(readlink "$p/ns/mnt" 2>/dev/null)" = "$ns" ] && pids+=("$pid")
+        done
+        [ ${#pids[@]} -eq 0 ] && break
+        kill -KILL "${pids[@]}" 2>/dev/null || true
+        sleep 0.2
+    done
+    rm -f "$nsfile"
+}
+
+stop_pid() { # PIDFILE: TERM, then KILL after 5 s; by PID, never by name
+    local f=$1 pid
+    [ -f "$f" ] || return 0
+    pid=$(cat "$f")
+    if kill -0 "$pid" 2>/dev/null; then
+        kill -TERM "$pid" 2>/dev/null || true
+        for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL "$pid" 2>/dev/null || true
+    fi
+    rm -f "$f"
+}
+
+down() {
+    for n in "${NODES[@]}"; do
+        stop_pid "$RUN/slurmd-$n.pid"
+        kill_ns_procs "$n"
+    done
+    stop_pid "$RUN/slurmctld.pid"
+    stop_pid "$RUN/registry.pid"
+    stop_pid "$RUN/munged.pid"
+    for n in "${NODES[@]}"; do
+        ip netns del "$n" 2>/dev/null || true
+    done
+    ip link del "$BRIDGE" 2>/dev/null || true
+    hosts_entries remove
+    rm -f "$ENV_FILE"
+    log "down"
+}
+
+# ------------------------------------------------------------------------------ up
+
+hosts_entries() { # add|remove the cluster's names in /etc/hosts, in place
+    local tmp
+    tmp=$(mktemp)
+    grep -v '# tfimage-local$' /etc/hosts >"$tmp" || true
+    if [ "$1" = add ]; then
+        echo "$CTL_ADDR tfctl # tfimage-local" >>"$tmp"
+        for n in "${NODES[@]}"; do echo "$(node_addr "$n") $n # tfimage-local" >>"$tmp"; done
+    fi
+    cat "$tmp" >/etc/hosts   # /etc/hosts may be a bind mount: rewrite, don't rename
+    rm -f "$tmp"
+}
+
+setup_user() {
+    id "$TEST_USER" >/dev/null 2>&1 || useradd -m -s /bin/bash "$TEST_USER"
+    # charliecloud needs allow_other on the root-made squashfuse mounts
+    grep -q '^user_allow_other' /etc/fuse.conf 2>/dev/null || echo user_allow_other >>/etc/fuse.conf
+}
+
+setup_network() {
+    ip link add "$BRIDGE" type bridge
+    ip addr add "$CTL_ADDR/24" dev "$BRIDGE"
+    ip link set "$BRIDGE" up
+    for n in "${NODES[@]}"; do
+        ip netns add "$n"
+        ip link add "veth-$n" type veth peer name eth0 netns "$n"
+        ip link set "veth-$n" master "$BRIDGE" up
+        ip -n "$n" addr add "$(node_addr "$n")/24" dev eth0
+        ip -n "$n" link set lo up
+        ip -n "$n" link set eth0 up
+        ip -n "$n" route add default via "$CTL_ADDR"
+    done
+    hosts_entries add
+}
+
+start_munge() {
+    mkdir -p /run/munge /var/lib/munge /var/log/munge
+    [ -s /etc/munge/munge.key ] || mungekey -c -k /etc/munge/munge.key
+    chown -R munge:munge /etc/munge /var/lib/munge /var/log/munge /run/munge
+    chmod 0700 /etc/munge
+    chmod 0400 /etc/munge/munge.key
+    chmod 0755 /run/munge
+    su -s /bin/sh munge -c munged
+    for _ in $(seq 50); do [ -f /run/munge/munged.pid ] && break; sleep 0.1; done
+    cp /run/munge/munged.pid "$RUN/munged.pid"
+    munge -n | unmunge >/dev/null || die "munge does not work"
+}
+
+make_pki() {
+    local d=$STATE/pki
+    [ -s "$d/server.crt" ] && return 0
+    mkdir -p "$d"
+    chmod 0700 "$d"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=tfimage local CA" \
+        -keyout "$d/ca.key" -out "$d/ca.crt" \
+        -addext "basicConstraints=critical,CA:TRUE" \
+        -addext "keyUsage=critical,keyCertSign,cRLSign" 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=tfctl" \
+        -keyout "$d/server.key" -out "$d/server.csr" 2>/dev/null
+    printf 'subjectAltName=IP:%s,IP:127.0.0.1,DNS:tfctl,DNS:localhost\nextendedKeyUsage=serverAuth\n' \
+        "$CTL_ADDR" >"$d/ext.cnf"
+    openssl x509 -req -in "$d/server.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" -CAcreateserial \
+        -days 3650 -extfile "$d/ext.cnf" -out "$d/server.crt" 2>/dev/null
+    openssl rand -hex 16 >"$d/robot.password"
+    chmod 0600 "$d"/*
+}
+
+start_registry() {
+    local d=$STATE/registry
+    mkdir -p "$d/data"
+    htpasswd -Bbn "$ROBOT" "$(cat "$STATE/pki/robot.password")" >"$d/htpasswd" 2>/dev/null
+    cat >"$d/config.yml" <<YML
+version: 0.1
+log: {level: warn}
+storage:
+  filesystem: {rootdirectory: $d/data}
+  delete: {enabled: true}
+http:
+  addr: $REGISTRY
+  tls: {certificate: $STATE/pki/server.crt, key: $STATE/pki/server.key}
+auth:
+  htpasswd: {realm: tfimage-local, path: $d/htpasswd}
+YML
+    setsid docker-registry serve "$d/config.yml" >"$LOGS/registry.log" 2>&1 </dev/null &
+    echo $! >"$RUN/registry.pid"
+    for _ in $(seq 100); do
+        code=$(curl -s -o /dev/null -w '%{http_code}' --cacert "$STATE/pki/ca.crt" \
+            "https://$REGISTRY/v2/" || true)
+        [ "$code" = 401 ] && return 0
+        sleep 0.1
+    done
+    tail -5 "$LOGS/registry.log" >&2
+    die "registry did not come up on $REGISTRY"
+}
+
+install_tfimage() {
+    [ -x "$PREFIX/bin/python3" ] || /usr/bin/python3 -m venv "$PREFIX"
+    "$PREFIX/bin/pip" install -q --disable-pip-version-check "$REPO" >"$LOGS/pip.log" 2>&1 \
+        || { tail -20 "$LOGS/pip.log" >&2; die "installing tfimage into $PREFIX failed"; }
+    make -s -C "$REPO/spank" OBJDIR="$STATE/spank-build" >/dev/null
+    install -D -m 0755 "$STATE/spank-build/spank_tfimage.so" "$STATE/lib/spank_tfimage.so"
+}
+
+write_configs() {
+    local t=$ETC/tfimage
+    mkdir -p "$t"
+    install -m 0644 "$STATE/pki/ca.crt" "$t/ca.pem"
+    cat >"$t/config.yaml" <<YML
+# tfimage site config for the local cluster (written by deploy/local/cluster.sh)
+registry: "$REGISTRY"
+project: library
+ca_bundle: $t/ca.pem
+credentials: $t/credentials.yaml
+cache_dir: /var/cache/tfimage
+state_dir: /run/tfimage
+runtime: charliecloud
+YML
+    chmod 0644 "$t/config.yaml"
+    (umask 077; cat >"$t/credentials.yaml" <<YML
+registries:
+  "$REGISTRY":
+    username: "$ROBOT"
+    password: "$(cat "$STATE/pki/robot.password")"
+YML
+    )
+    printf '#!/bin/sh\nexec %s/bin/tfimage-prolog --config %s/config.yaml\n' "$PREFIX" "$t" >"$ETC/prolog"
+    printf '#!/bin/sh\nexec %s/bin/tfimage-epilog --config %s/config.yaml\n' "$PREFIX" "$t" >"$ETC/epilog"
+    chmod 0755 "$ETC/prolog" "$ETC/epilog"
+    echo "required $STATE/lib/spank_tfimage.so helper=$PREFIX/bin/tfimage config=$t/config.yaml" \
+        >"$ETC/plugstack.conf"
+
+    local nodes=""
+    for n in "${NODES[@]}"; do
+        nodes+="NodeName=$n NodeAddr=$(node_addr "$n") CPUs=4 RealMemory=4000 State=UNKNOWN"$'\n'
+    done
+    cat >"$ETC/slurm.conf" <<CONF
+# Local tfimage test cluster (written by deploy/local/cluster.sh)
+ClusterName=tfimage
+SlurmctldHost=$(hostname -s)($CTL_ADDR)
+MailProg=/bin/true
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+StateSaveLocation=$STATE/ctld
+SlurmdSpoolDir=$STATE/spool/%n
+SlurmctldPidFile=$RUN/slurmctld.pid
+SlurmdPidFile=$RUN/slurmd-%n.pid
+SlurmctldLogFile=$LOGS/slurmctld.log
+SlurmdLogFile=$LOGS/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+MpiDefault=none
+MpiParams=ports=20000-20999
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+ReturnToService=2
+Prolog=$ETC/prolog
+Epilog=$ETC/epilog
+PrologFlags=Alloc
+PrologEpilogTimeout=1200
+PlugStackConfig=$ETC/plugstack.conf
+KillWait=5
+InactiveLimit=0
+MinJobAge=300
+$nodes
+PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+CONF
+    chmod 0644 "$ETC/slurm.conf" "$ETC/plugstack.conf"
+}
+
+start_slurm() {
+    mkdir -p "$STATE/ctld" /var/cache/tfimage /run/tfimage /var/log/tfimage
+    SLURM_CONF=$ETC/slurm.conf slurmctld -i
+    for n in "${NODES[@]}"; do
+        local nd=$STATE/nodes/$n
+        mkdir -p "$STATE/spool/$n" "$nd/cache" "$nd/run" "$nd/log"
+        # Own network, hostname and mounts: cache and /run state really are per node.
+        SLURM_CONF=$ETC/slurm.conf nsenter --net="/run/netns/$n" \
+            unshare --uts --mount --propagation private sh -c "
+                hostname $n
+                mount --bind $nd/cache /var/cache/tfimage
+                mount -t tmpfs -o mode=0755 tmpfs /run/tfimage
+                mount --bind $nd/log /var/log/tfimage
+                exec slurmd -N $n"
+        for _ in $(seq 50); do alive "$RUN/slurmd-$n.pid" && break; sleep 0.1; done
+        alive "$RUN/slurmd-$n.pid" || { tail -5 "$LOGS/slurmd-$n.log" >&2; die "slurmd $n did not start"; }
+        readlink "/proc/$(cat "$RUN/slurmd-$n.pid")/ns/mnt" >"$RUN/$n.mntns"
+    done
+    export SLURM_CONF=$ETC/slurm.conf
+    for _ in $(seq 150); do
+        if [ "$(sinfo -h -o '%t' 2>/dev/null | sort -u | tr -d '\n')" = idle ]; then
+            return 0
+        fi
+        sleep 0.2
+    done
+    sinfo >&2 || true
+    die "nodes did not become idle"
+}
+
+push_images() {
+    local out=$REPO/build/images
+    bash "$REPO/deploy/local/images/build.sh" "$out"
+    export TFIMAGE_CONFIG=$ETC/tfimage/config.yaml
+    "$PREFIX/bin/tfimage" push "$out/tiny.sif" "tiny:1.0" >/dev/null
+    "$PREFIX/bin/tfimage" push "$out/tf-custom.sif" "tf-custom:2.0" >/dev/null
+}
+
+write_env() {
+    mkdir -p "$(dirname "$ENV_FILE")"
+    cat >"$ENV_FILE" <<ENV
+export SLURM_CONF=$ETC/slurm.conf
+export TFIMAGE_CONFIG=$ETC/tfimage/config.yaml
+export TFIMAGE_REGISTRY=$REGISTRY
+export TFIMAGE_TEST_USER=$TEST_USER
+export TFIMAGE_LOCAL_STATE=$STATE
+export TFIMAGE_CA=$ETC/tfimage/ca.pem
+export PATH=$PREFIX/bin:\$PATH
+ENV
+}
+
+up() {
+    [ "$(id -u)" = 0 ] || die "run as root"
+    bash "$REPO/deploy/local/packages.sh"
+    down 2>/dev/null || true
+    mkdir -p "$STATE" "$ETC" "$RUN" "$LOGS"
+    chmod 0755 "$STATE" "$ETC"
+    setup_user
+    setup_network
+    start_munge
+    make_pki
+    start_registry
+    install_tfimage
+    write_configs
+    start_slurm
+    push_images
+    write_env
+    log "up: slurm $(sinfo -V | awk '{print $2}'), nodes ${NODES[*]}, registry $REGISTRY"
+    log "environment: . $ENV_FILE"
+}
+
+status() {
+    for f in munged registry slurmctld "${NODES[@]/#/slurmd-}"; do
+        if alive "$RUN/$f.pid"; then echo "$f: running"; else echo "$f: stopped"; fi
+    done
+}
+
+case "${1:-}" in
+    up) up ;;
+    down) down ;;
+    status) status ;;
+    *) echo "usage: cluster.sh up|down|status" >&2; exit 2 ;;
+esac

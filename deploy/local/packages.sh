@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install the Debian packages the local cluster, the images and the tests need.
+# Idempotent: only missing packages are installed.
+set -euo pipefail
+PKGS=(
+    munge slurmd slurmctld slurm-client libslurm-dev gcc make libc6-dev
+    docker-registry apache2-utils openssl curl ca-certificates
+    charliecloud squashfuse fuse3 squashfs-tools siftool skopeo umoci
+    debootstrap busybox-static iproute2 util-linux procps psmisc
+    python3 python3-venv python3-dev
+)
+missing=()
+for p in "${PKGS[@]}"; do
+    dpkg-query -W -f '${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "packages: installing ${missing[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

@@ -1,0 +1,1 @@
+"""Slurm node Epilog (root, once per job per node)."""

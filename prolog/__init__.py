@@ -1,0 +1,1 @@
+"""Slurm node Prolog (root, once per job per node, ``PrologFlags=Alloc``)."""

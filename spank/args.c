@@ -1,0 +1,60 @@
+/* plugstack.conf arguments: helper=PATH config=PATH submit_timeout=S prepare_timeout=S */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tfimage.h"
+
+static int set_path(char *dst, const char *val, const char *key)
+{
+	if (val[0] != '/' || strlen(val) >= TFI_MAX_PATH) {
+		slurm_error("tfimage: plugstack: %s= needs an absolute path", key);
+		return -1;
+	}
+	strcpy(dst, val);
+	return 0;
+}
+
+static int set_secs(int *dst, const char *val, const char *key)
+{
+	char *end;
+	long v;
+
+	errno = 0;
+	v = strtol(val, &end, 10);
+	if (errno || *end || v <= 0 || v > 86400) {
+		slurm_error("tfimage: plugstack: %s= needs seconds between 1 and 86400", key);
+		return -1;
+	}
+	*dst = (int)v;
+	return 0;
+}
+
+int tfi_parse_args(int ac, char **av)
+{
+	strcpy(tfi_conf.helper, "/opt/tfimage/bin/tfimage");
+	strcpy(tfi_conf.config, "/etc/tfimage/config.yaml");
+	tfi_conf.submit_timeout = 30;
+	tfi_conf.prepare_timeout = 900;
+
+	for (int i = 0; i < ac; i++) {
+		const char *a = av[i];
+		int rc;
+
+		if (strncmp(a, "helper=", 7) == 0)
+			rc = set_path(tfi_conf.helper, a + 7, "helper");
+		else if (strncmp(a, "config=", 7) == 0)
+			rc = set_path(tfi_conf.config, a + 7, "config");
+		else if (strncmp(a, "submit_timeout=", 15) == 0)
+			rc = set_secs(&tfi_conf.submit_timeout, a + 15, "submit_timeout");
+		else if (strncmp(a, "prepare_timeout=", 16) == 0)
+			rc = set_secs(&tfi_conf.prepare_timeout, a + 16, "prepare_timeout");
+		else {
+			slurm_error("tfimage: plugstack: unknown argument '%s'", a);
+			rc = -1;
+		}
+		if (rc != 0)
+			return -1;
+	}
+	return 0;
+}

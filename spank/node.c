@@ -1,0 +1,196 @@
+/* Node side (slurmstepd).  init_post_opt runs as root once per step: the helper
+ * makes the image ready and prints the argv prefix that runs a task inside it.
+ * task_init runs as the user in each task and puts that prefix in front of the
+ * task's command: spank_prepend_task_argv on Slurm >= 23.11, exec on older. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <slurm/slurm.h>
+
+#include "tfimage.h"
+
+
+
+#if SLURM_VERSION_NUMBER >= SLURM_VERSION_NUM(23, 11, 0)
+#define TFI_HAVE_PREPEND 1
+#else
+#define TFI_HAVE_PREPEND 0
+#endif
+
+static const char *env_get(char **env, const char *name)
+{
+	size_t n = strlen(name);
+
+	for (; env && *env; env++)
+		if (strncmp(*env, name, n) == 0 && (*env)[n] == '=')
+			return *env + n + 1;
+	return NULL;
+}
+
+/* The job's task count, for --tf-batch=auto: SLURM_NTASKS when given, else one
+ * task per node. */
+static long job_tasks(char **env)
+{
+	const char *v = env_get(env, "SLURM_NTASKS");
+
+	if (!v)
+		v = env_get(env, "SLURM_JOB_NUM_NODES");
+	return v ? strtol(v, NULL, 10) : 1;
+}
+
+static int batch_in_container(char **env)
+{
+	switch (tfi_state.batch) {
+	case TFI_BATCH_CONTAINER:
+		return 1;
+	case TFI_BATCH_HOST:
+		return 0;
+	default:
+		return job_tasks(env) <= 1;
+	}
+}
+
+static int split_prefix(char *buf, size_t len)
+{
+	size_t i = 0;
+
+	tfi_state.prefix_len = 0;
+	while (i < len) {
+		size_t n = strnlen(buf + i, len - i);
+
+		if (i + n >= len)
+			return -1; /* not NUL-terminated */
+		if (tfi_state.prefix_len >= TFI_MAX_ARGS)
+			return -1;
+		tfi_state.prefix[tfi_state.prefix_len++] = buf + i;
+		i += n + 1;
+	}
+	tfi_state.prefix[tfi_state.prefix_len] = NULL;
+	return tfi_state.prefix_len > 0 && tfi_state.prefix[0][0] == '/' ? 0 : -1;
+}
+
+int tfi_node_init_post_opt(spank_t sp)
+{
+	uint32_t job_id = 0, step_id = 0;
+	uid_t uid = 0;
+	char **env = NULL, **argv = NULL;
+	int argc = 0, rc;
+	char sjob[16], sstep[16], suid[16], err[512];
+	const char *pwd;
+	char *out = NULL;
+	size_t len = 0;
+	char *hargv[24];
+	int h = 0;
+
+	if (spank_get_item(sp, S_JOB_ID, &job_id) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_JOB_STEPID, &step_id) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_JOB_UID, &uid) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_JOB_ENV, &env) != ESPANK_SUCCESS) {
+		slurm_error("tfimage: prepare: cannot read the step's identity from Slurm");
+		return -1;
+	}
+	if (step_id == SLURM_EXTERN_CONT || step_id == SLURM_INTERACTIVE_STEP ||
+	    (step_id == SLURM_BATCH_SCRIPT && !batch_in_container(env))) {
+		tfi_state.image_set = 0; /* this step runs on the host */
+		return 0;
+	}
+	snprintf(sjob, sizeof(sjob), "%u", job_id);
+	snprintf(sstep, sizeof(sstep), "%u", step_id);
+	snprintf(suid, sizeof(suid), "%u", (unsigned)uid);
+
+	hargv[h++] = tfi_conf.helper;
+	hargv[h++] = "--config";
+	hargv[h++] = tfi_conf.config;
+	hargv[h++] = "step-prepare";
+	hargv[h++] = "--job";
+	hargv[h++] = sjob;
+	hargv[h++] = "--step";
+	hargv[h++] = sstep;
+	hargv[h++] = "--uid";
+	hargv[h++] = suid;
+	hargv[h++] = "--image";
+	hargv[h++] = tfi_state.image;
+	pwd = env_get(env, "PWD");
+	if (pwd && pwd[0] == '/') {
+		hargv[h++] = "--workdir";
+		hargv[h++] = (char *)pwd;
+	}
+	if (step_id == SLURM_BATCH_SCRIPT &&
+	    spank_get_item(sp, S_JOB_ARGV, &argc, &argv) == ESPANK_SUCCESS && argc > 0 &&
+	    argv[0][0] == '/') {
+		hargv[h++] = "--script";
+		hargv[h++] = argv[0];
+	}
+	hargv[h] = NULL;
+
+	rc = tfi_run_helper(hargv, tfi_conf.prepare_timeout, &out, &len, err, sizeof(err));
+	if (rc == 0 && split_prefix(out, len) == 0) {
+		tfi_state.prefix_buf = out;
+		return 0;
+	}
+	snprintf(tfi_state.error, sizeof(tfi_state.error), "tfimage: prepare %s: %s",
+		 tfi_state.image,
+		 rc != 0 ? (err[0] ? tfi_strip_prefix(err) : "the helper failed")
+			 : "the helper gave no usable command");
+	slurm_error("%s (job %u step %u)", tfi_state.error, job_id, step_id);
+	free(out);
+	/* Not fatal here: the tasks report it, on the stderr the user reads. */
+	return 0;
+}
+
+int tfi_node_task_init(spank_t sp)
+{
+	if (tfi_state.error[0]) {
+		fprintf(stderr, "%s\n", tfi_state.error);
+		fflush(stderr);
+		return -1;
+	}
+	if (!tfi_state.prefix_buf)
+		return 0;
+#if TFI_HAVE_PREPEND
+	if (spank_prepend_task_argv(sp, tfi_state.prefix_len,
+				    (const char **)tfi_state.prefix) != ESPANK_SUCCESS) {
+		slurm_error("tfimage: task: cannot wrap the task in %s", tfi_state.image);
+		return -1;
+	}
+	return 0;
+#else
+	{
+		char **argv = NULL, **env = NULL, **full;
+		int argc = 0, n = 0;
+
+		if (spank_get_item(sp, S_JOB_ARGV, &argc, &argv) != ESPANK_SUCCESS ||
+		    spank_get_item(sp, S_JOB_ENV, &env) != ESPANK_SUCCESS) {
+			slurm_error("tfimage: task: cannot read the task's command");
+			return -1;
+		}
+		full = calloc((size_t)(tfi_state.prefix_len + argc + 1), sizeof(char *));
+		if (!full) {
+			slurm_error("tfimage: task: out of memory");
+			return -1;
+		}
+		for (int i = 0; i < tfi_state.prefix_len; i++)
+			full[n++] = tfi_state.prefix[i];
+		for (int i = 0; i < argc; i++)
+			full[n++] = argv[i];
+		full[n] = NULL;
+		/* Slurm < 23.11 has no way to prepend: become the runtime ourselves. */
+		execve(full[0], full, env);
+		slurm_error("tfimage: task: cannot run %s: %s", full[0], strerror(errno));
+		free(full);
+		return -1;
+	}
+#endif
+}
+
+void tfi_node_exit(spank_t sp)
+{
+	(void)sp;
+	free(tfi_state.prefix_buf);
+	tfi_state.prefix_buf = NULL;
+}

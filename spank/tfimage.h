@@ -1,0 +1,66 @@
+/*
+ * spank_tfimage: run each task of a --tf-image job inside its SIF image.
+ *
+ * tfimage.c routes every SPANK callback to the file for its context:
+ *   submit.c  srun/sbatch/salloc: check the reference, hand it to the job
+ *   node.c    slurmstepd: ready the image (root), then wrap each task
+ *   helper.c  running the Python helper with a deadline, output kept for errors
+ *   args.c    plugstack.conf arguments
+ * Every message starts with "tfimage:" and names the phase and the cause.
+ */
+#ifndef TFIMAGE_H
+#define TFIMAGE_H
+
+#include <stddef.h>
+#include <slurm/spank.h>
+
+#define TFI_MAX_REF 512
+#define TFI_MAX_PATH 4096
+#define TFI_MAX_ARGS 256
+
+enum tfi_batch { TFI_BATCH_AUTO = 0, TFI_BATCH_CONTAINER, TFI_BATCH_HOST };
+
+struct tfi_conf {
+	char helper[TFI_MAX_PATH];   /* the tfimage command */
+	char config[TFI_MAX_PATH];   /* site config passed to it */
+	int submit_timeout;          /* seconds for the submit-side check */
+	int prepare_timeout;         /* seconds for the node-side prepare */
+};
+
+struct tfi_state {
+	int image_set;
+	char image[TFI_MAX_REF + 1];
+	enum tfi_batch batch;
+	/* node side: argv prefix returned by the helper, NUL-separated */
+	char *prefix_buf;
+	char *prefix[TFI_MAX_ARGS + 1];
+	int prefix_len;
+	/* node side: why the image could not be readied; reported by each task,
+	 * whose stderr the user sees (slurmstepd's own log reaches only the admin) */
+	char error[600];
+};
+
+extern struct tfi_conf tfi_conf;
+extern struct tfi_state tfi_state;
+
+/* args.c */
+int tfi_parse_args(int ac, char **av);
+
+/* helper.c: run argv (no shell) with a deadline; stdout kept in *out
+ * (malloc'ed, caller frees).  Returns the exit status, or -1 on timeout or
+ * failure to start; errbuf gets the child's last stderr line. */
+int tfi_run_helper(char *const argv[], int timeout_s, char **out, size_t *out_len,
+		   char *errbuf, size_t errlen);
+
+/* submit.c */
+int tfi_submit_init_post_opt(spank_t sp);
+
+/* submit.c also: strip the helper's own "tfimage: " prefix */
+const char *tfi_strip_prefix(const char *msg);
+
+/* node.c */
+int tfi_node_init_post_opt(spank_t sp);
+int tfi_node_task_init(spank_t sp);
+void tfi_node_exit(spank_t sp);
+
+#endif
