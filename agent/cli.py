@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import tfimage
 from tfimage.agent.config import DEFAULT_PATH, Config, load_config
 from tfimage.agent.errors import TfimageError
-
-import tfimage
 
 EXIT_INTERNAL = 70
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from tfimage.agent.errors import ConfigError
 from tfimage.agent.reference import Reference, check_allowed, parse_reference
 

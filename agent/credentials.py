@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
 from tfimage.agent.errors import CredentialsError
 
 

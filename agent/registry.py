@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import requests
+
 from tfimage.agent.credentials import Credential
 from tfimage.agent.errors import RegistryError, VerificationError
 

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from tfimage.agent.credentials import load_credentials
+from tfimage.agent.errors import CredentialsError
+
+
+def test_private_file_loads_and_hides_password(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text('registries:\n  "reg:5000":\n    username: "robot$proj+ci"\n    password: "pw1"\n')
+    p.chmod(0o600)
+    creds = load_credentials(p)
+    assert creds["reg:5000"].username == "robot$proj+ci"
+    assert creds["reg:5000"].password == "pw1"
+    assert "pw1" not in repr(creds)
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o644])
+def test_readable_by_others_is_refused(tmp_path: Path, mode: int) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("registries: {}\n")
+    p.chmod(mode)
+    with pytest.raises(CredentialsError, match="chmod 0600"):
+        load_credentials(p)
+
+
+def test_symlink_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real.yaml"
+    real.write_text("registries: {}\n")
+    real.chmod(0o600)
+    (tmp_path / "link.yaml").symlink_to(real)
+    with pytest.raises(CredentialsError):
+        load_credentials(tmp_path / "link.yaml")
+
+
+def test_absent_file_means_anonymous(tmp_path: Path) -> None:
+    assert load_credentials(tmp_path / "none.yaml") == {}
+
+
+def test_docker_config_json(tmp_path: Path) -> None:
+    p = tmp_path / "config.json"
+    auth = base64.b64encode(b"robot$x+y:pw:with:colons").decode()
+    p.write_text(json.dumps({"auths": {"https://reg.site/": {"auth": auth}}}))
+    p.chmod(0o600)
+    c = load_credentials(p)["reg.site"]
+    assert (c.username, c.password) == ("robot$x+y", "pw:with:colons")

@@ -1,0 +1,71 @@
+"""Real squashfuse and overlay mounts (root only), and the path checks in front of them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tfimage.agent import mounts
+from tfimage.agent.errors import RuntimeSetupError
+
+
+@pytest.mark.parametrize(
+    "bad", ["relative/x", "/a/../b", "/a/./b", "/a//b", "//a", "/a/", "/a\0b", "/" + "x" * 5000]
+)
+def test_paths_from_jobs_must_be_normal_and_absolute(bad: str) -> None:
+    with pytest.raises(RuntimeSetupError):
+        mounts.safe_abspath(bad, "working directory")
+
+
+@pytest.mark.parametrize("bad", ["", "12a", "../1", "1/2", "9" * 11])
+def test_job_ids_are_digits(bad: str) -> None:
+    with pytest.raises(RuntimeSetupError):
+        mounts.job_dir("/run/tfimage", bad)
+
+
+@pytest.fixture
+def root_with_fuse() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting needs root")
+    if not Path("/dev/fuse").exists():
+        pytest.skip("no /dev/fuse on this machine")
+
+
+def test_image_and_step_root_mount_and_release(
+    root_with_fuse: None, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    sif = make_sif({"etc/marker": "from-image\n", "home/.keep": ""})
+    state = tmp_path / "state"
+    state.mkdir()
+    digest = "sha256:" + "c" * 64
+    img = mounts.mount_image(str(state), "42", sif, digest)
+    try:
+        assert mounts.mounted(img)
+        assert (img / "etc/marker").read_text() == "from-image\n"
+        assert mounts.mount_image(str(state), "42", sif, digest) == img  # idempotent
+
+        root = mounts.step_root(str(state), "42", "0", img, ["/home/u/proj", "/var/spool/x"])
+        assert mounts.mounted(root)
+        assert (root / "etc/marker").read_text() == "from-image\n"
+        assert (root / "home/u/proj").is_dir() and (root / "var/spool/x").is_dir()
+        with pytest.raises(OSError):
+            (root / "new-file").write_text("x")  # the container root is read-only
+    finally:
+        stuck = mounts.release_job(str(state), "42")
+    assert stuck == []
+    assert not mounts.mounted(img)
+    assert not (state / "jobs" / "42").exists()
+
+
+def test_skeleton_refuses_symlinks_on_the_way(root_with_fuse: None, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    (state / "jobs" / "7" / "step-0").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (state / "jobs" / "7" / "step-0" / "skel").symlink_to(outside)
+    with pytest.raises(OSError):
+        mounts.step_root(str(state), "7", "0", tmp_path, ["/home/u"])
+    assert not (outside / "home").exists()  # nothing created through the link

@@ -1,0 +1,136 @@
+"""Registry client and cache against a real TLS + htpasswd docker-registry."""
+
+from __future__ import annotations
+
+import json
+import stat
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from support import Registry
+from tfimage.agent.cache import ImageCache, client_for
+from tfimage.agent.config import load_config
+from tfimage.agent.credentials import Credential
+from tfimage.agent.errors import RegistryError, VerificationError
+from tfimage.agent.registry import RegistryClient
+
+
+def client(reg: Registry, password: str | None = None) -> RegistryClient:
+    return RegistryClient(
+        reg.host,
+        Credential(reg.username, password or reg.password),
+        ca_bundle=str(reg.ca),
+        connect_timeout=2,
+        read_timeout=10,
+    )
+
+
+def test_push_then_pull_through_cache(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    sif = make_sif({"etc/tfimage-test-image": "cache-test\n"})
+    digest = client(registry).push_sif("library/cachetest", "1.0", sif)
+    cfg = load_config(registry.write_site(tmp_path))
+    cache = ImageCache(cfg)
+
+    got = cache.ensure(cfg.reference("cachetest:1.0"))
+    assert not got.hit
+    assert got.ref.digest == digest
+    assert got.path.read_bytes() == sif.read_bytes()
+    assert stat.S_IMODE(got.path.stat().st_mode) == 0o444
+    assert not any((tmp_path / "cache" / "tmp").iterdir())  # nothing half-published
+
+    again = cache.ensure(cfg.reference("cachetest:1.0"))
+    assert again.hit and again.path == got.path
+    pinned = cache.ensure(cfg.reference(f"cachetest@{digest}"))
+    assert pinned.hit
+    [entry] = cache.entries()
+    assert entry["digest"] == digest
+    assert f"{registry.host}/library/cachetest:1.0" in entry["refs"]
+
+
+def test_manifest_by_digest(registry: Registry, make_sif: Callable[..., Path]) -> None:
+    c = client(registry)
+    real = c.push_sif("library/digestcheck", "1", make_sif({"a": "1"}))
+    assert c.manifest("library/digestcheck", real).digest == real
+    assert c.manifest("library/digestcheck", "1").digest == real
+    with pytest.raises(RegistryError, match="not found"):
+        c.manifest("library/digestcheck", "sha256:" + "0" * 64)
+
+
+def test_wrong_password_fails_fast(registry: Registry) -> None:
+    started = time.monotonic()
+    with pytest.raises(RegistryError, match="authentication refused") as e:
+        client(registry, password="wrong").manifest("library/anything", "1")
+    assert time.monotonic() - started < 2.0
+    assert "wrong" not in str(e.value)
+
+
+def test_unknown_tag_is_a_clear_error(registry: Registry, tmp_path: Path) -> None:
+    cfg = load_config(registry.write_site(tmp_path))
+    with pytest.raises(RegistryError, match="not found"):
+        ImageCache(cfg).ensure(cfg.reference("does-not-exist:9"))
+
+
+def test_non_sif_artifact_is_refused_and_nothing_published(
+    registry: Registry, tmp_path: Path
+) -> None:
+    c = client(registry)
+    blob = c.push_bytes("library/notsif", b"hello")
+    cfg_digest = c.push_bytes("library/notsif", b"{}")
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": cfg_digest,
+            "size": 2,
+        },
+        "layers": [
+            {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": blob, "size": 5}
+        ],
+    }
+    c.push_manifest(
+        "library/notsif",
+        "1",
+        json.dumps(manifest).encode(),
+        "application/vnd.oci.image.manifest.v1+json",
+    )
+    cfg = load_config(registry.write_site(tmp_path))
+    with pytest.raises(VerificationError, match="not a SIF artifact"):
+        ImageCache(cfg).ensure(cfg.reference("notsif:1"))
+    assert not list((tmp_path / "cache" / "images").glob("*.sif"))
+
+
+def test_concurrent_ensures_download_once(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    client(registry).push_sif("library/conc", "1", make_sif({"x": "y" * 100000}))
+    cfg = load_config(registry.write_site(tmp_path))
+    results: list[bool] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            results.append(ImageCache(cfg).ensure(cfg.reference("conc:1")).hit)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert sorted(results) == [False] + [True] * 7  # exactly one download
+
+
+def test_client_for_reads_site_credentials(registry: Registry, tmp_path: Path) -> None:
+    cfg = load_config(registry.write_site(tmp_path))
+    c = client_for(cfg, registry.host)
+    with pytest.raises(RegistryError, match="not found"):
+        c.manifest("library/none", "1")  # authenticated: 404, not 401

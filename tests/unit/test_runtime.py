@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from tfimage.agent.runtime import Apptainer, Bind, Charliecloud, StepSpec
+
+SPEC = StepSpec(
+    workdir="/home/u/proj",
+    home="/home/u",
+    binds=(Bind("/var/spool/slurmd/job00042", "/var/spool/slurmd/job00042", read_only=True),),
+)
+
+
+def test_charliecloud_argv_binds_home_workdir_and_script_dir() -> None:
+    argv = Charliecloud("/usr/bin/ch-run").prefix(Path("/run/tfimage/jobs/42/step-0/root"), SPEC)
+    assert argv == [
+        "/usr/bin/ch-run",
+        "--no-passwd",
+        "-b",
+        "/home/u:/home/u",
+        "-b",
+        "/home/u/proj:/home/u/proj",
+        "-b",
+        "/var/spool/slurmd/job00042:/var/spool/slurmd/job00042",
+        "-c",
+        "/home/u/proj",
+        "/run/tfimage/jobs/42/step-0/root",
+        "--",
+    ]
+
+
+def test_charliecloud_mountpoints_cover_every_bind() -> None:
+    assert SPEC.mountpoints() == ["/home/u", "/home/u/proj", "/var/spool/slurmd/job00042"]
+
+
+def test_root_workdir_is_not_bound() -> None:
+    spec = StepSpec(workdir="/", home=None)
+    assert Charliecloud("/x/ch-run").prefix(Path("/r"), spec) == [
+        "/x/ch-run",
+        "--no-passwd",
+        "-c",
+        "/",
+        "/r",
+        "--",
+    ]
+
+
+def test_apptainer_argv_no_cleanenv_nv_only_with_gpus() -> None:
+    a = Apptainer("apptainer", "/usr/bin/apptainer")
+    argv = a.prefix(Path("/c/img.sif"), SPEC)
+    assert argv == [
+        "/usr/bin/apptainer",
+        "exec",
+        "-B",
+        "/var/spool/slurmd/job00042:/var/spool/slurmd/job00042:ro",
+        "--pwd",
+        "/home/u/proj",
+        "/c/img.sif",
+    ]
+    assert "--cleanenv" not in argv and "-e" not in argv
+    gpu = StepSpec(workdir=None, home=None, gpus=True)
+    assert a.prefix(Path("/c/img.sif"), gpu) == ["/usr/bin/apptainer", "exec", "--nv", "/c/img.sif"]
