@@ -107,11 +107,18 @@ def step_root(
         raise RuntimeSetupError(f"invalid step id {step_id!r}")
     base = job_dir(state_dir, job_id) / f"step-{step_id}"
     root = base / "root"
-    if mounted(root):
-        return root
     skel = base / "skel"
-    for p in mountpoints:
-        _mkdirs(Path(state_dir), skel / safe_abspath(p, "mount point").lstrip("/"))
+    wanted = [safe_abspath(p, "mount point").lstrip("/") for p in mountpoints]
+    if mounted(root):
+        if all((skel / p).is_dir() for p in wanted):
+            return root
+        # A task found its working directory missing: rebuild before it enters.
+        try:
+            proc.run(["umount", str(root)], timeout=MOUNT_TIMEOUT, what="remounting")
+        except RuntimeSetupError:
+            proc.run(["umount", "-l", str(root)], timeout=MOUNT_TIMEOUT, what="remounting")
+    for p in wanted:
+        _mkdirs(Path(state_dir), skel / p)
     _mkdirs(Path(state_dir), root)
     proc.run(
         ["mount", "-t", "overlay", "overlay", "-o", f"ro,lowerdir={skel}:{image}", str(root)],

@@ -74,18 +74,71 @@ static int split_prefix(char *buf, size_t len)
 	return tfi_state.prefix_len > 0 && tfi_state.prefix[0][0] == '/' ? 0 : -1;
 }
 
+/* Ask the helper (as root) to ready the image for this step; on success the
+ * argv prefix replaces any earlier one, on failure the reason is kept for the
+ * tasks to report. */
+static int prepare(void)
+{
+	char sjob[16], sstep[16], suid[16], err[512];
+	char *hargv[24], *out = NULL;
+	size_t len = 0;
+	int h = 0, rc;
+
+	snprintf(sjob, sizeof(sjob), "%u", tfi_state.job_id);
+	snprintf(sstep, sizeof(sstep), "%u", tfi_state.step_id);
+	snprintf(suid, sizeof(suid), "%u", tfi_state.uid);
+	hargv[h++] = tfi_conf.helper;
+	hargv[h++] = "--config";
+	hargv[h++] = tfi_conf.config;
+	hargv[h++] = "step-prepare";
+	hargv[h++] = "--job";
+	hargv[h++] = sjob;
+	hargv[h++] = "--step";
+	hargv[h++] = sstep;
+	hargv[h++] = "--uid";
+	hargv[h++] = suid;
+	hargv[h++] = "--image";
+	hargv[h++] = tfi_state.image;
+	if (tfi_state.workdir[0]) {
+		hargv[h++] = "--workdir";
+		hargv[h++] = tfi_state.workdir;
+	}
+	if (tfi_state.script[0]) {
+		hargv[h++] = "--script";
+		hargv[h++] = tfi_state.script;
+	}
+	hargv[h] = NULL;
+
+	rc = tfi_run_helper(hargv, tfi_conf.prepare_timeout, &out, &len, err, sizeof(err));
+	if (rc == 0 && split_prefix(out, len) == 0) {
+		free(tfi_state.prefix_buf);
+		tfi_state.prefix_buf = out;
+		tfi_state.error[0] = '\0';
+		return 0;
+	}
+	snprintf(tfi_state.error, sizeof(tfi_state.error), "tfimage: prepare %s: %s",
+		 tfi_state.image,
+		 rc != 0 ? (err[0] ? tfi_strip_prefix(err) : "the helper failed")
+			 : "the helper gave no usable command");
+	slurm_error("%s (job %u step %u)", tfi_state.error, tfi_state.job_id, tfi_state.step_id);
+	free(out);
+	return -1;
+}
+
+static void copy_path(char *dst, const char *src)
+{
+	if (src && src[0] == '/' && strlen(src) < TFI_MAX_PATH)
+		strcpy(dst, src);
+	else
+		dst[0] = '\0';
+}
+
 int tfi_node_init_post_opt(spank_t sp)
 {
 	uint32_t job_id = 0, step_id = 0;
 	uid_t uid = 0;
 	char **env = NULL, **argv = NULL;
-	int argc = 0, rc;
-	char sjob[16], sstep[16], suid[16], err[512];
-	const char *pwd;
-	char *out = NULL;
-	size_t len = 0;
-	char *hargv[24];
-	int h = 0;
+	int argc = 0;
 
 	if (spank_get_item(sp, S_JOB_ID, &job_id) != ESPANK_SUCCESS ||
 	    spank_get_item(sp, S_JOB_STEPID, &step_id) != ESPANK_SUCCESS ||
@@ -99,47 +152,33 @@ int tfi_node_init_post_opt(spank_t sp)
 		tfi_state.image_set = 0; /* this step runs on the host */
 		return 0;
 	}
-	snprintf(sjob, sizeof(sjob), "%u", job_id);
-	snprintf(sstep, sizeof(sstep), "%u", step_id);
-	snprintf(suid, sizeof(suid), "%u", (unsigned)uid);
-
-	hargv[h++] = tfi_conf.helper;
-	hargv[h++] = "--config";
-	hargv[h++] = tfi_conf.config;
-	hargv[h++] = "step-prepare";
-	hargv[h++] = "--job";
-	hargv[h++] = sjob;
-	hargv[h++] = "--step";
-	hargv[h++] = sstep;
-	hargv[h++] = "--uid";
-	hargv[h++] = suid;
-	hargv[h++] = "--image";
-	hargv[h++] = tfi_state.image;
-	pwd = env_get(env, "PWD");
-	if (pwd && pwd[0] == '/') {
-		hargv[h++] = "--workdir";
-		hargv[h++] = (char *)pwd;
-	}
+	tfi_state.job_id = job_id;
+	tfi_state.step_id = step_id;
+	tfi_state.uid = (unsigned)uid;
+	/* $PWD is the working directory in the common case; a task whose real one
+	 * differs asks again from task_init_privileged. */
+	copy_path(tfi_state.workdir, env_get(env, "PWD"));
+	tfi_state.script[0] = '\0';
 	if (step_id == SLURM_BATCH_SCRIPT &&
-	    spank_get_item(sp, S_JOB_ARGV, &argc, &argv) == ESPANK_SUCCESS && argc > 0 &&
-	    argv[0][0] == '/') {
-		hargv[h++] = "--script";
-		hargv[h++] = argv[0];
-	}
-	hargv[h] = NULL;
+	    spank_get_item(sp, S_JOB_ARGV, &argc, &argv) == ESPANK_SUCCESS && argc > 0)
+		copy_path(tfi_state.script, argv[0]);
+	/* Not fatal here: the tasks report a failure, on the stderr the user reads. */
+	prepare();
+	return 0;
+}
 
-	rc = tfi_run_helper(hargv, tfi_conf.prepare_timeout, &out, &len, err, sizeof(err));
-	if (rc == 0 && split_prefix(out, len) == 0) {
-		tfi_state.prefix_buf = out;
+/* Root, in each task, whose working directory is now the step's real one. */
+int tfi_node_task_init_privileged(spank_t sp)
+{
+	char cwd[TFI_MAX_PATH];
+
+	(void)sp;
+	if (tfi_state.error[0] || !getcwd(cwd, sizeof(cwd)) || cwd[0] != '/')
 		return 0;
-	}
-	snprintf(tfi_state.error, sizeof(tfi_state.error), "tfimage: prepare %s: %s",
-		 tfi_state.image,
-		 rc != 0 ? (err[0] ? tfi_strip_prefix(err) : "the helper failed")
-			 : "the helper gave no usable command");
-	slurm_error("%s (job %u step %u)", tfi_state.error, job_id, step_id);
-	free(out);
-	/* Not fatal here: the tasks report it, on the stderr the user reads. */
+	if (strcmp(cwd, tfi_state.workdir) == 0)
+		return 0;
+	strcpy(tfi_state.workdir, cwd);
+	prepare();
 	return 0;
 }
 

@@ -94,6 +94,15 @@ int slurm_spank_init_post_opt(spank_t sp, int ac, char **av)
 	}
 }
 
+int slurm_spank_task_init_privileged(spank_t sp, int ac, char **av)
+{
+	(void)ac;
+	(void)av;
+	if (!tfi_state.image_set || spank_context() != S_CTX_REMOTE)
+		return 0;
+	return tfi_node_task_init_privileged(sp);
+}
+
 int slurm_spank_task_init(spank_t sp, int ac, char **av)
 {
 	(void)ac;

@@ -38,6 +38,11 @@ struct tfi_state {
 	/* node side: why the image could not be readied; reported by each task,
 	 * whose stderr the user sees (slurmstepd's own log reaches only the admin) */
 	char error[600];
+	/* node side: what the helper was asked, to ask again from a task whose
+	 * real working directory (known only there) differs from $PWD */
+	unsigned job_id, step_id, uid;
+	char workdir[TFI_MAX_PATH];
+	char script[TFI_MAX_PATH];
 };
 
 extern struct tfi_conf tfi_conf;
@@ -60,6 +65,7 @@ const char *tfi_strip_prefix(const char *msg);
 
 /* node.c */
 int tfi_node_init_post_opt(spank_t sp);
+int tfi_node_task_init_privileged(spank_t sp);
 int tfi_node_task_init(spank_t sp);
 void tfi_node_exit(spank_t sp);
 

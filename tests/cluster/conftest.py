@@ -1,0 +1,117 @@
+"""The cluster tier: real jobs on the local cluster that `make cluster-up` starts.
+
+Without a cluster these tests skip and say why; CI sets TFIMAGE_REQUIRE_CLUSTER=1
+so a missing cluster is a failure there, never a silent pass.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ENV_FILE = REPO / "build" / "cluster.env"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    env: dict[str, str]
+    user: str
+    state: Path
+
+    def run(
+        self,
+        argv: list[str],
+        *,
+        cwd: Path | None = None,
+        timeout: float = 120,
+        as_root: bool = False,
+        extra_env: dict[str, str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a Slurm client command, as the test user unless ``as_root``."""
+        env = {**self.env, **(extra_env or {})}
+        kw: dict[str, object] = {}
+        if not as_root:
+            pw = pwd.getpwnam(self.user)
+            env.update(HOME=pw.pw_dir, USER=self.user, LOGNAME=self.user)
+            kw = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+        return subprocess.run(
+            argv,
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+            **kw,
+        )  # type: ignore[call-overload]
+
+    def node_pid(self, node: str) -> int:
+        return int((self.state / "run" / f"slurmd-{node}.pid").read_text())
+
+    def node_mounts(self, node: str) -> list[str]:
+        """Mount points as seen inside the node's own mount namespace."""
+        with open(f"/proc/{self.node_pid(node)}/mountinfo") as f:
+            return [line.split()[4] for line in f]
+
+    def node_state(self, node: str) -> str:
+        r = self.run(["sinfo", "-h", "-n", node, "-o", "%T"], as_root=True, timeout=30)
+        return r.stdout.strip()
+
+    def job_ids(self) -> set[str]:
+        r = self.run(["squeue", "-h", "-a", "--states=all", "-o", "%i"], as_root=True)
+        return set(r.stdout.split())
+
+
+def _load_env() -> dict[str, str]:
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+    for line in ENV_FILE.read_text().splitlines():
+        if line.startswith("export ") and "=" in line:
+            k, v = line[len("export ") :].split("=", 1)
+            env[k] = v.replace("$PATH", env["PATH"])
+    return env
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Cluster:
+    if not ENV_FILE.exists():
+        msg = f"no local cluster ({ENV_FILE} missing): run `make cluster-up` as root"
+        if os.environ.get("TFIMAGE_REQUIRE_CLUSTER") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    if os.geteuid() != 0:
+        pytest.skip("the cluster tier runs as root (it submits as the test user)")
+    env = _load_env()
+    c = Cluster(env, env["TFIMAGE_TEST_USER"], Path(env["TFIMAGE_LOCAL_STATE"]))
+    ping = c.run(["scontrol", "ping"], as_root=True, timeout=30)
+    if "UP" not in ping.stdout:
+        pytest.fail(f"slurmctld is not answering: {ping.stdout}{ping.stderr}")
+    return c
+
+
+@pytest.fixture
+def workdir(cluster: Cluster) -> Iterator[Path]:
+    """A fresh directory in the test user's home (not under /tmp, which ch-run binds)."""
+    pw = pwd.getpwnam(cluster.user)
+    d = Path(pw.pw_dir) / "tfimage-tests" / uuid.uuid4().hex[:10]
+    d.mkdir(parents=True)
+    os.chown(d.parent, pw.pw_uid, pw.pw_gid)
+    os.chown(d, pw.pw_uid, pw.pw_gid)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def write_script(d: Path, name: str, text: str, user: str) -> Path:
+    p = d / name
+    p.write_text(text)
+    pw = pwd.getpwnam(user)
+    os.chown(p, pw.pw_uid, pw.pw_gid)
+    return p

@@ -1,0 +1,190 @@
+"""Walking skeleton: --tf-image puts real jobs into real SIF images on two nodes."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Cluster, write_script
+
+pytestmark = pytest.mark.cluster
+
+
+def test_srun_two_nodes_inside_image(cluster: Cluster, workdir: Path) -> None:
+    r = cluster.run(
+        [
+            "srun",
+            "-N2",
+            "--tf-image=tiny:1.0",
+            "sh",
+            "-c",
+            'echo "$(cat /etc/tfimage-test-image) $SLURMD_NODENAME $(id -u) $(pwd)"',
+        ],
+        cwd=workdir,
+    )
+    assert r.returncode == 0, r.stderr
+    uid = pwd.getpwnam(cluster.user).pw_uid
+    lines = sorted(r.stdout.split("\n")[:-1])
+    assert lines == [f"tiny:1.0 n1 {uid} {workdir}", f"tiny:1.0 n2 {uid} {workdir}"]
+
+
+def test_sbatch_single_task_script_runs_inside_image(cluster: Cluster, workdir: Path) -> None:
+    write_script(
+        workdir,
+        "job.sh",
+        (
+            "#!/bin/sh\n#SBATCH --tf-image=tiny:1.0\n#SBATCH -o out.txt\n"
+            'echo "marker=$(cat /etc/tfimage-test-image) pwd=$(pwd) uid=$(id -u)"\n'
+            "echo written-in-image > result.txt\n"
+        ),
+        cluster.user,
+    )
+    r = cluster.run(["sbatch", "--wait", "job.sh"], cwd=workdir, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = (workdir / "out.txt").read_text()
+    uid = pwd.getpwnam(cluster.user).pw_uid
+    assert f"marker=tiny:1.0 pwd={workdir} uid={uid}" in out
+    # The job wrote through the bind into the user's real directory, as the user.
+    assert (workdir / "result.txt").read_text() == "written-in-image\n"
+    assert (workdir / "result.txt").stat().st_uid == uid
+
+
+def test_multi_node_batch_runs_on_host_and_srun_inherits_image(
+    cluster: Cluster, workdir: Path
+) -> None:
+    write_script(
+        workdir,
+        "job.sh",
+        (
+            "#!/bin/sh\n#SBATCH --tf-image=tiny:1.0\n#SBATCH -N2\n#SBATCH -o out.txt\n"
+            'echo "batch marker=$(cat /etc/tfimage-test-image 2>/dev/null || echo host)"\n'
+            "srun sh -c 'echo \"step $SLURMD_NODENAME $(cat /etc/tfimage-test-image)\"'\n"
+        ),
+        cluster.user,
+    )
+    r = cluster.run(["sbatch", "--wait", "job.sh"], cwd=workdir, timeout=180)
+    out = (workdir / "out.txt").read_text()
+    assert r.returncode == 0, out
+    assert "batch marker=host" in out
+    assert sorted(re.findall(r"step (n\d) (\S+)", out)) == [("n1", "tiny:1.0"), ("n2", "tiny:1.0")]
+
+
+def test_job_without_option_is_untouched(cluster: Cluster, workdir: Path) -> None:
+    r = cluster.run(
+        [
+            "srun",
+            "-N2",
+            "sh",
+            "-c",
+            'echo "$(test -e /etc/tfimage-test-image && echo image || echo host)'
+            ' $(grep -c /run/tfimage/jobs/ /proc/self/mountinfo) $(stat -c %i /)"',
+        ],
+        cwd=workdir,
+    )
+    assert r.returncode == 0, r.stderr
+    host_root_inode = str(Path("/").stat().st_ino)
+    assert r.stdout.split("\n")[:-1] == [f"host 0 {host_root_inode}"] * 2
+
+
+@pytest.mark.parametrize("cmd", ["srun", "sbatch"])
+@pytest.mark.parametrize(
+    ("ref", "why"),
+    [
+        ("Bad Ref", "whitespace"),
+        ("tiny@sha256:xyz", "digest"),
+        ("evil.example/x/y:1", "not allowed"),
+    ],
+)
+def test_invalid_reference_rejected_before_queueing(
+    cluster: Cluster, workdir: Path, cmd: str, ref: str, why: str
+) -> None:
+    before = cluster.job_ids()
+    argv = [cmd, f"--tf-image={ref}"] + (["--wrap", "true"] if cmd == "sbatch" else ["true"])
+    r = cluster.run(argv, cwd=workdir, timeout=60)
+    assert r.returncode != 0
+    assert re.search(rf"tfimage: submit: .*{why}", r.stderr), r.stderr
+    assert "Traceback" not in r.stderr
+    assert cluster.job_ids() == before
+
+
+def test_root_tasks_are_refused_with_a_message(cluster: Cluster, workdir: Path) -> None:
+    r = cluster.run(["srun", "-N1", "--tf-image=tiny:1.0", "true"], cwd=workdir, as_root=True)
+    assert r.returncode != 0
+    assert "refusing to run a container task as root" in r.stderr
+
+
+def test_missing_image_fails_job_with_reason_and_node_stays_up(
+    cluster: Cluster, workdir: Path
+) -> None:
+    r = cluster.run(
+        ["srun", "-N1", "-w", "n1", "--tf-image=no-such-image:1.0", "true"], cwd=workdir
+    )
+    assert r.returncode != 0
+    assert "tfimage: prepare no-such-image:1.0" in r.stderr and "not found" in r.stderr
+    state = cluster.node_state("n1")
+    for _ in range(150):
+        if state != "completing":
+            break
+        time.sleep(0.2)
+        state = cluster.node_state("n1")
+    assert state in ("idle", "mixed", "allocated"), state  # never drained
+
+
+def test_epilog_leaves_no_mounts(cluster: Cluster, workdir: Path) -> None:
+    r = cluster.run(["srun", "-N2", "--tf-image=tiny:1.0", "true"], cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    for node in ("n1", "n2"):
+        for _ in range(50):
+            left = [m for m in cluster.node_mounts(node) if m.startswith("/run/tfimage/jobs/")]
+            if not left:
+                break
+            time.sleep(0.2)
+        assert left == [], f"{node} still has {left}"
+
+
+def test_tensorflow_job_prints_version_on_both_nodes(cluster: Cluster, workdir: Path) -> None:
+    write_script(
+        workdir,
+        "tf.sh",
+        (
+            "#!/bin/bash\n#SBATCH --tf-image=tf-custom:2.0\n#SBATCH -N2\n#SBATCH -o out.txt\n"
+            "export TF_CPP_MIN_LOG_LEVEL=3\n"
+            "srun python3 -c 'import os, tensorflow as tf; "
+            'print("TF", os.environ["SLURMD_NODENAME"], tf.__version__, '
+            'open("/etc/tfimage-test-image").read().strip())\'\n'
+        ),
+        cluster.user,
+    )
+    r = cluster.run(["sbatch", "--wait", "tf.sh"], cwd=workdir, timeout=600)
+    out = (workdir / "out.txt").read_text()
+    assert r.returncode == 0, out
+    found = sorted(re.findall(r"^TF (n\d) (\d+\.\d+\.\d+) tf-custom:2.0$", out, re.M))
+    assert [n for n, _ in found] == ["n1", "n2"], out
+    assert found[0][1] == found[1][1]
+
+
+def test_chdir_elsewhere_than_pwd_is_honoured(cluster: Cluster, workdir: Path) -> None:
+    """The task's real working directory wins over a stale $PWD (srun -D)."""
+    sub = workdir / "elsewhere"
+    sub.mkdir()
+    pw = pwd.getpwnam(cluster.user)
+    os.chown(sub, pw.pw_uid, pw.pw_gid)
+    r = cluster.run(
+        [
+            "srun",
+            "-N1",
+            "-D",
+            str(sub),
+            "--tf-image=tiny:1.0",
+            "sh",
+            "-c",
+            "pwd; cat /etc/tfimage-test-image",
+        ],
+        cwd=workdir,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(sub), "tiny:1.0"]
