@@ -20,7 +20,7 @@ venv: $(VENV)/.done
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	bash -n deploy/local/*.sh deploy/local/images/*.sh .ci/run
+	bash -n deploy/local/*.sh deploy/local/images/*.sh spank/*.sh tests/*.sh .ci/run
 
 spank:
 	$(MAKE) -C spank all check-exports
@@ -41,7 +41,7 @@ cluster-down:
 cluster-status:
 	bash deploy/local/cluster.sh status
 
-demo: cluster-up
+demo:
 	bash deploy/local/demo.sh
 
 test-unit: venv
