@@ -8,7 +8,8 @@ PY := $(VENV)/bin/python
 
 all: venv spank
 
-$(VENV)/.done: pyproject.toml
+# New modules need a reinstall (strict editable mode links files): watch the folders.
+$(VENV)/.done: pyproject.toml agent prolog epilog src/tfimage
 	bash deploy/local/packages.sh
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]' \
