@@ -1,0 +1,153 @@
+"""Task index, ports and TF_CONFIG from real Slurm layouts (TF's resolver breaks on these)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tfimage.agent.tfenv import (
+    StepLayoutError,
+    expand_counts,
+    expand_hostlist,
+    hashed_ports,
+    step_layout,
+    task_env,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "hosts"),
+    [
+        ("n[9-10]", ["n9", "n10"]),
+        ("n1", ["n1"]),
+        ("n3,n1,n2", ["n3", "n1", "n2"]),  # Slurm's order kept, never sorted
+        ("gpu[001-004]", ["gpu001", "gpu002", "gpu003", "gpu004"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("n[1,3-4]-ib", ["n1-ib", "n3-ib", "n4-ib"]),
+        ("a[1-2],b[08-10]", ["a1", "a2", "b08", "b09", "b10"]),
+    ],
+)
+def test_hostlist_expansion(text: str, hosts: list[str]) -> None:
+    assert expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize("bad", ["n[1-", "n]1[", "n[a-b]", "n[3-1]", "", "n1,,n2"])
+def test_bad_hostlists(bad: str) -> None:
+    with pytest.raises(StepLayoutError):
+        expand_hostlist(bad)
+
+
+def test_counts() -> None:
+    assert expand_counts("2(x3),1") == [2, 2, 2, 1]
+    assert expand_counts("4") == [4]
+    with pytest.raises(StepLayoutError):
+        expand_counts("2(x)")
+
+
+def env_for(nodes: str, tpn: str, node: int, local: int, **extra: str) -> dict[str, str]:
+    return {
+        "SLURM_STEP_NODELIST": nodes,
+        "SLURM_STEP_TASKS_PER_NODE": tpn,
+        "SLURM_NODEID": str(node),
+        "SLURM_LOCALID": str(local),
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "0",
+        **extra,
+    }
+
+
+def all_indices(nodes: str, tpn: str, **extra: str) -> list[tuple[str, int]]:
+    hosts, counts = expand_hostlist(nodes), expand_counts(tpn)
+    out = []
+    for n, c in enumerate(counts):
+        for local in range(c):
+            lay = step_layout(env_for(nodes, tpn, n, local, **extra))
+            assert lay.workers[lay.index].startswith(hosts[n] + ":")
+            out.append((hosts[n], lay.index))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("nodes", "tpn"),
+    [
+        ("n[9-10]", "2,1"),
+        ("rack[1-2]-n[01-02]", "2(x3),1"),
+        ("gpu[001-004]", "1(x4)"),
+        ("n3,n1,n2", "1,2,1"),
+    ],
+)
+def test_every_task_gets_a_distinct_host_major_index(nodes: str, tpn: str) -> None:
+    got = all_indices(nodes, tpn, SLURM_STEP_RESV_PORTS="20000-20003")
+    assert sorted(i for _, i in got) == list(range(len(got)))
+    assert [h for h, _ in sorted(got, key=lambda x: x[1])] == [h for h, _ in got]
+
+
+def test_n9_comes_before_n10() -> None:
+    lay = step_layout(env_for("n[9-10]", "2,1", 1, 0, SLURM_STEP_RESV_PORTS="20000-20001"))
+    assert lay.workers == ["n9:20000", "n9:20001", "n10:20000"]
+    assert lay.index == 2
+
+
+def test_cyclic_procid_is_ignored() -> None:
+    # Under cyclic distribution SLURM_PROCID would be 1 here; the index stays host-major.
+    lay = step_layout(
+        env_for("gpu[001-002]", "2,2", 0, 1, SLURM_PROCID="2", SLURM_STEP_RESV_PORTS="20000-20001")
+    )
+    assert lay.index == 1
+
+
+def test_too_few_reserved_ports_is_a_clear_error() -> None:
+    with pytest.raises(StepLayoutError, match="reserved 1 port"):
+        step_layout(env_for("n1", "2", 0, 0, SLURM_STEP_RESV_PORTS="20000"))
+
+
+def test_batch_step_has_no_layout() -> None:
+    with pytest.raises(StepLayoutError, match="SLURM_STEP_NODELIST is not set"):
+        step_layout({"SLURM_JOB_ID": "5", "SLURM_NODEID": "0"})
+
+
+def test_hashed_ports_are_stable_and_differ_between_steps() -> None:
+    a = hashed_ports("100", "0", 2, 29000, 29999)
+    assert a == hashed_ports("100", "0", 2, 29000, 29999)
+    assert a != hashed_ports("101", "0", 2, 29000, 29999)
+    assert all(29000 <= p <= 29999 for p in a) and len(set(a)) == 2
+
+
+def test_tf_config_nccl_and_site_defaults() -> None:
+    env = env_for("n[1-2]", "1(x2)", 1, 0, SLURM_STEP_RESV_PORTS="20000")
+    te = task_env(
+        env,
+        site_env={"TF_FORCE_GPU_ALLOW_GROWTH": "true"},
+        interface_of=lambda host: "eth0" if host == "n1" else None,
+    )
+    cfg = json.loads(te.set["TF_CONFIG"].value)
+    assert cfg == {
+        "cluster": {"worker": ["n1:20000", "n2:20000"]},
+        "task": {"type": "worker", "index": 1},
+    }
+    assert te.set["NCCL_SOCKET_IFNAME"].value == "=eth0"
+    assert te.set["TF_FORCE_GPU_ALLOW_GROWTH"].value == "true"
+
+
+def test_user_values_are_never_overridden() -> None:
+    env = env_for(
+        "n[1-2]",
+        "1(x2)",
+        0,
+        0,
+        SLURM_STEP_RESV_PORTS="20000",
+        TF_CONFIG='{"mine": 1}',
+        TF_FORCE_GPU_ALLOW_GROWTH="false",
+    )
+    te = task_env(
+        env, site_env={"TF_FORCE_GPU_ALLOW_GROWTH": "true"}, interface_of=lambda host: None
+    )
+    assert "TF_CONFIG" not in te.set and "TF_CONFIG" in te.kept
+    assert "TF_FORCE_GPU_ALLOW_GROWTH" not in te.set
+
+
+def test_single_task_gets_no_tf_config_unless_configured() -> None:
+    env = env_for("n1", "1", 0, 0)
+    assert "TF_CONFIG" not in task_env(env, interface_of=lambda h: None).set
+    assert "TF_CONFIG" in task_env(env, single_task_tf_config=True, interface_of=lambda h: None).set
