@@ -41,7 +41,9 @@ class StepLayoutError(TfimageError):
 
 def _split_top(text: str) -> list[str]:
     """Split on commas that are not inside brackets."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for c in text:
         if c == "[":
             depth += 1
