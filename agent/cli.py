@@ -120,10 +120,16 @@ def cmd_cache_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_step_prepare(args: argparse.Namespace) -> int:
-    from tfimage.agent.step import StepRequest, prepare_step
+    from tfimage.agent.step import LAYOUT_VARS, StepRequest, plan_step
 
     if os.geteuid() != 0:
         raise TfimageError("step-prepare runs as root, from the SPANK plugin")
+    layout = {}
+    for item in args.layout:
+        name, sep, value = item.partition("=")
+        if not sep or name not in LAYOUT_VARS:
+            raise TfimageError(f"step-prepare: unexpected --layout {name[:40]!r}")
+        layout[name] = value
     req = StepRequest(
         job_id=args.job,
         step_id=args.step,
@@ -132,10 +138,19 @@ def cmd_step_prepare(args: argparse.Namespace) -> int:
         workdir=args.workdir or None,
         script=args.script or None,
         gpus=args.gpus,
+        layout=layout,
+        node_id=args.node_id,
+        local_tasks=args.local_tasks,
     )
-    argv = prepare_step(_config(args), req)
-    # NUL-separated: the plugin reads this straight into an argv.
-    sys.stdout.write("\0".join(argv) + "\0")
+    plan = plan_step(_config(args), req)
+    # A NUL-separated token stream for the plugin:
+    #   argv N a1 .. aN        the runtime's prefix
+    #   env L NAME VALUE       set NAME=VALUE in local task L, unless the user set it
+    tokens = ["argv", str(len(plan.argv)), *plan.argv]
+    for local, env in sorted(plan.env.items()):
+        for name, value in sorted(env.items()):
+            tokens += ["env", str(local), name, value]
+    sys.stdout.write("\0".join(tokens) + "\0")
     return 0
 
 
@@ -191,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--workdir", default="")
     sp.add_argument("--script", default="")
     sp.add_argument("--gpus", action="store_true")
+    sp.add_argument(
+        "--layout",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a step variable (SLURM_STEP_NODELIST and friends)",
+    )
+    sp.add_argument("--node-id", type=int, default=0)
+    sp.add_argument("--local-tasks", type=int, default=0)
     sp.set_defaults(func=cmd_step_prepare)
     return p
 

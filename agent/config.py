@@ -6,6 +6,7 @@ Hooks are told the path explicitly; nothing here reads a job's environment.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,10 @@ class Config:
     read_timeout: float = 30.0
     hook_deadline: float = 900.0
     default_mounts: tuple[str, ...] = field(default_factory=tuple)
+    # Set in every task where the user has not set them; TF wants exactly "true".
+    site_env: dict[str, str] = field(default_factory=lambda: {"TF_FORCE_GPU_ALLOW_GROWTH": "true"})
+    tf_port_range: tuple[int, int] = (29000, 29999)
+    single_task_tf_config: bool = False
 
     @property
     def allowlist(self) -> tuple[str, ...]:
@@ -50,9 +55,30 @@ class Config:
 
 _TUPLES = {"mirrors", "allowed_registries", "default_mounts"}
 _FLOATS = {"connect_timeout", "read_timeout", "hook_deadline"}
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def _coerce(key: str, value: Any, path: Path) -> Any:
+    if key == "site_env":
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and _ENV_NAME.match(k) and isinstance(v, str)
+            for k, v in value.items()
+        ):
+            raise ConfigError(f"{path}: 'site_env' must map variable names to strings")
+        return dict(value)
+    if key == "tf_port_range":
+        if (
+            not isinstance(value, list)
+            or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            or not 1024 <= value[0] <= value[1] <= 65535
+        ):
+            raise ConfigError(f"{path}: 'tf_port_range' must be [low, high] within 1024-65535")
+        return (value[0], value[1])
+    if key == "single_task_tf_config":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: 'single_task_tf_config' must be true or false")
+        return value
     if key in _TUPLES:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{path}: '{key}' must be a list of strings")

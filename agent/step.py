@@ -7,7 +7,7 @@ Called as root, by the prolog (once per job) and by the SPANK plugin's helper
 from __future__ import annotations
 
 import pwd
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tfimage.agent import mounts
@@ -15,6 +15,18 @@ from tfimage.agent.cache import CachedImage, ImageCache
 from tfimage.agent.config import Config
 from tfimage.agent.errors import RuntimeSetupError
 from tfimage.agent.runtime import Bind, StepSpec, runtime_for
+from tfimage.agent.tfenv import task_env
+
+# The only step variables the plugin passes in; everything else is ignored.
+LAYOUT_VARS = frozenset(
+    {
+        "SLURM_JOB_ID",
+        "SLURM_STEP_ID",
+        "SLURM_STEP_NODELIST",
+        "SLURM_STEP_TASKS_PER_NODE",
+        "SLURM_STEP_RESV_PORTS",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +38,37 @@ class StepRequest:
     workdir: str | None = None
     script: str | None = None
     gpus: bool = False
+    layout: dict[str, str] = field(default_factory=dict)
+    node_id: int = 0
+    local_tasks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """The runtime's argv prefix, and per local task the variables to set if unset."""
+
+    argv: list[str]
+    env: dict[int, dict[str, str]]
+
+
+def step_env(cfg: Config, req: StepRequest) -> dict[int, dict[str, str]]:
+    """TF_CONFIG, NCCL and site variables for each local task of the step.
+
+    The batch script has no step layout: it gets the site variables only.
+    """
+    if "SLURM_STEP_NODELIST" not in req.layout:
+        return {i: dict(cfg.site_env) for i in range(max(1, req.local_tasks))}
+    out = {}
+    for local in range(req.local_tasks):
+        env = {**req.layout, "SLURM_NODEID": str(req.node_id), "SLURM_LOCALID": str(local)}
+        te = task_env(
+            env,
+            site_env=cfg.site_env,
+            port_range=cfg.tf_port_range,
+            single_task_tf_config=cfg.single_task_tf_config,
+        )
+        out[local] = {k: d.value for k, d in te.set.items()}
+    return out
 
 
 def prepare_job(
@@ -47,6 +90,21 @@ def _home_of(uid: int) -> str | None:
     except KeyError:
         return None
     return home if home.startswith("/") and home != "/" else None
+
+
+def plan_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) -> StepPlan:
+    """Ready the image; say how each local task of the step runs inside it."""
+    env = step_env(cfg, req)  # layout errors first: they are the user's to fix
+    argv = prepare_step(cfg, req, cache)
+    if runtime_for(cfg.runtime, cfg.runtime_path).name == "charliecloud":
+        # ch-run refuses to start without $USER; a job started without one gets it.
+        try:
+            user = pwd.getpwuid(req.uid).pw_name
+        except KeyError:
+            user = str(req.uid)
+        for task in env.values():
+            task.setdefault("USER", user)
+    return StepPlan(argv, env)
 
 
 def prepare_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) -> list[str]:

@@ -55,23 +55,44 @@ static int batch_in_container(char **env)
 	}
 }
 
-static int split_prefix(char *buf, size_t len)
+/* The helper answers with NUL-separated tokens:
+ *   argv N a1 .. aN        the runtime's prefix
+ *   env L NAME VALUE       set NAME=VALUE in local task L unless the user did */
+static int parse_answer(char *buf, size_t len)
 {
-	size_t i = 0;
+	char *tok[3 * TFI_MAX_ENV + TFI_MAX_ARGS + 8];
+	int n = 0, i = 0;
+	size_t pos = 0;
 
-	tfi_state.prefix_len = 0;
-	while (i < len) {
-		size_t n = strnlen(buf + i, len - i);
+	while (pos < len) {
+		size_t l = strnlen(buf + pos, len - pos);
 
-		if (i + n >= len)
-			return -1; /* not NUL-terminated */
-		if (tfi_state.prefix_len >= TFI_MAX_ARGS)
+		if (pos + l >= len || n >= (int)(sizeof(tok) / sizeof(tok[0])))
 			return -1;
-		tfi_state.prefix[tfi_state.prefix_len++] = buf + i;
-		i += n + 1;
+		tok[n++] = buf + pos;
+		pos += l + 1;
 	}
-	tfi_state.prefix[tfi_state.prefix_len] = NULL;
-	return tfi_state.prefix_len > 0 && tfi_state.prefix[0][0] == '/' ? 0 : -1;
+	if (n < 2 || strcmp(tok[0], "argv") != 0)
+		return -1;
+	tfi_state.prefix_len = atoi(tok[1]);
+	if (tfi_state.prefix_len < 1 || tfi_state.prefix_len > TFI_MAX_ARGS ||
+	    tfi_state.prefix_len + 2 > n)
+		return -1;
+	for (i = 0; i < tfi_state.prefix_len; i++)
+		tfi_state.prefix[i] = tok[2 + i];
+	tfi_state.prefix[i] = NULL;
+	if (tfi_state.prefix[0][0] != '/')
+		return -1;
+	tfi_state.env_len = 0;
+	for (i = 2 + tfi_state.prefix_len; i < n; i += 4) {
+		if (i + 3 >= n || strcmp(tok[i], "env") != 0 || tfi_state.env_len >= TFI_MAX_ENV)
+			return -1;
+		tfi_state.env[3 * tfi_state.env_len] = tok[i + 1];
+		tfi_state.env[3 * tfi_state.env_len + 1] = tok[i + 2];
+		tfi_state.env[3 * tfi_state.env_len + 2] = tok[i + 3];
+		tfi_state.env_len++;
+	}
+	return 0;
 }
 
 /* Ask the helper (as root) to ready the image for this step; on success the
@@ -79,14 +100,18 @@ static int split_prefix(char *buf, size_t len)
  * tasks to report. */
 static int prepare(void)
 {
-	char sjob[16], sstep[16], suid[16], err[512];
-	char *hargv[24], *out = NULL;
+	static const char *const layout[] = { "SLURM_JOB_ID", "SLURM_STEP_ID",
+		"SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_RESV_PORTS", NULL };
+	char sjob[16], sstep[16], suid[16], snode[16], slocal[16], err[512];
+	char *hargv[48], *out = NULL, *lay[8] = { NULL };
 	size_t len = 0;
 	int h = 0, rc;
 
 	snprintf(sjob, sizeof(sjob), "%u", tfi_state.job_id);
 	snprintf(sstep, sizeof(sstep), "%u", tfi_state.step_id);
 	snprintf(suid, sizeof(suid), "%u", tfi_state.uid);
+	snprintf(snode, sizeof(snode), "%u", tfi_state.node_id);
+	snprintf(slocal, sizeof(slocal), "%u", tfi_state.local_tasks);
 	hargv[h++] = tfi_conf.helper;
 	hargv[h++] = "--config";
 	hargv[h++] = tfi_conf.config;
@@ -107,10 +132,27 @@ static int prepare(void)
 		hargv[h++] = "--script";
 		hargv[h++] = tfi_state.script;
 	}
+	hargv[h++] = "--node-id";
+	hargv[h++] = snode;
+	hargv[h++] = "--local-tasks";
+	hargv[h++] = slocal;
+	/* The step's layout, for TF_CONFIG: the helper parses it strictly. */
+	for (int i = 0; layout[i]; i++) {
+		const char *v = env_get(tfi_state.job_env, layout[i]);
+
+		if (!v || asprintf(&lay[i], "%s=%s", layout[i], v) < 0) {
+			lay[i] = NULL;
+			continue;
+		}
+		hargv[h++] = "--layout";
+		hargv[h++] = lay[i];
+	}
 	hargv[h] = NULL;
 
 	rc = tfi_run_helper(hargv, tfi_conf.prepare_timeout, &out, &len, err, sizeof(err));
-	if (rc == 0 && split_prefix(out, len) == 0) {
+	for (int i = 0; i < 8; i++)
+		free(lay[i]);
+	if (rc == 0 && parse_answer(out, len) == 0) {
 		free(tfi_state.prefix_buf);
 		tfi_state.prefix_buf = out;
 		tfi_state.error[0] = '\0';
@@ -155,6 +197,12 @@ int tfi_node_init_post_opt(spank_t sp)
 	tfi_state.job_id = job_id;
 	tfi_state.step_id = step_id;
 	tfi_state.uid = (unsigned)uid;
+	tfi_state.job_env = env;
+	if (spank_get_item(sp, S_JOB_NODEID, &tfi_state.node_id) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_JOB_LOCAL_TASK_COUNT, &tfi_state.local_tasks) != ESPANK_SUCCESS) {
+		slurm_error("tfimage: prepare: cannot read the step's layout from Slurm");
+		return -1;
+	}
 	/* $PWD is the working directory in the common case; a task whose real one
 	 * differs asks again from task_init_privileged. */
 	copy_path(tfi_state.workdir, env_get(env, "PWD"));
@@ -191,6 +239,28 @@ int tfi_node_task_init(spank_t sp)
 	}
 	if (!tfi_state.prefix_buf)
 		return 0;
+	{
+		int task = -1;
+		char id[16];
+
+		if (spank_get_item(sp, S_TASK_ID, &task) != ESPANK_SUCCESS) {
+			slurm_error("tfimage: task: cannot read the local task id");
+			return -1;
+		}
+		snprintf(id, sizeof(id), "%d", task);
+		for (int i = 0; i < tfi_state.env_len; i++) {
+			char **e = &tfi_state.env[3 * i];
+
+			spank_err_t rc;
+
+			if (strcmp(e[0], id) != 0)
+				continue;
+			/* overwrite=0: a variable the user set wins (ESPANK_ENV_EXISTS) */
+			rc = spank_setenv(sp, e[1], e[2], 0);
+			if (rc != ESPANK_SUCCESS && rc != ESPANK_ENV_EXISTS)
+				slurm_error("tfimage: task: cannot set %s: %s", e[1], spank_strerror(rc));
+		}
+	}
 #if TFI_HAVE_PREPEND
 	if (spank_prepend_task_argv(sp, tfi_state.prefix_len,
 				    (const char **)tfi_state.prefix) != ESPANK_SUCCESS) {

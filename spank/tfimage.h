@@ -17,6 +17,7 @@
 #define TFI_MAX_REF 512
 #define TFI_MAX_PATH 4096
 #define TFI_MAX_ARGS 256
+#define TFI_MAX_ENV 1024
 
 enum tfi_batch { TFI_BATCH_AUTO = 0, TFI_BATCH_CONTAINER, TFI_BATCH_HOST };
 
@@ -31,16 +32,19 @@ struct tfi_state {
 	int image_set;
 	char image[TFI_MAX_REF + 1];
 	enum tfi_batch batch;
-	/* node side: argv prefix returned by the helper, NUL-separated */
+	/* node side: the helper's answer, NUL-separated tokens (see node.c) */
 	char *prefix_buf;
 	char *prefix[TFI_MAX_ARGS + 1];
 	int prefix_len;
+	char *env[3 * TFI_MAX_ENV]; /* (local task id, name, value) triples */
+	int env_len;
 	/* node side: why the image could not be readied; reported by each task,
 	 * whose stderr the user sees (slurmstepd's own log reaches only the admin) */
 	char error[600];
 	/* node side: what the helper was asked, to ask again from a task whose
 	 * real working directory (known only there) differs from $PWD */
-	unsigned job_id, step_id, uid;
+	unsigned job_id, step_id, uid, node_id, local_tasks;
+	char **job_env;
 	char workdir[TFI_MAX_PATH];
 	char script[TFI_MAX_PATH];
 };

@@ -13,14 +13,15 @@ bash "$REPO/deploy/local/cluster.sh" up
 home=$(getent passwd "$TFIMAGE_TEST_USER" | cut -d: -f6)
 dir=$home/tfimage-demo
 install -d -o "$TFIMAGE_TEST_USER" "$dir"
+install -m 0644 -o "$TFIMAGE_TEST_USER" "$REPO/deploy/local/examples/mwms_train.py" "$dir/"
 cat >"$dir/train.sbatch" <<'JOB'
 #!/bin/bash
 #SBATCH --job-name=tfimage-demo
 #SBATCH --tf-image=tf-custom:2.0
-#SBATCH --nodes=2
+#SBATCH --nodes=2 --ntasks-per-node=1
 #SBATCH --output=demo-%j.out
 #SBATCH --error=demo-%j.err
-# An ordinary batch script: the only tfimage line is the #SBATCH above.
+# An ordinary batch script: the only tfimage line is the #SBATCH above. No TF_CONFIG here.
 export TF_CPP_MIN_LOG_LEVEL=3
 echo "batch script on $(hostname) (host side, so srun works)"
 srun python3 -c '
@@ -29,6 +30,9 @@ node = os.environ["SLURMD_NODENAME"]
 image = open("/etc/tfimage-test-image").read().strip()
 print(f"{node}: TensorFlow {tf.__version__} inside {image} as uid {os.getuid()}")
 '
+# Real MultiWorkerMirroredStrategy training across both nodes; SIGKILL guard, since
+# a worker whose peer never starts ignores SIGTERM.
+srun --kill-on-bad-exit=1 timeout -s KILL 300 python3 mwms_train.py
 JOB
 chown "$TFIMAGE_TEST_USER" "$dir/train.sbatch"
 
@@ -42,4 +46,10 @@ echo "demo: job $job finished; its output:"
 echo "-----------------------------------------------------------------"
 cat "$dir/demo-$job.out"
 echo "-----------------------------------------------------------------"
+weights=$(grep -o 'weights [0-9a-f]*' "$dir/demo-$job.out" | sort -u)
+if [ "$(grep -c '^WORKER ' "$dir/demo-$job.out")" = 2 ] && [ "$(echo "$weights" | wc -l)" = 1 ]; then
+    echo "demo: both workers agree on the trained weights ($weights)"
+else
+    echo "demo: the workers do not agree" >&2; exit 1
+fi
 echo "demo: the cluster is still up (. build/cluster.env to use it; make cluster-down to stop)"

@@ -44,3 +44,20 @@ def test_bad_config_is_one_clear_line(tmp_path: Path, text: str, why: str) -> No
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_tf_settings(tmp_path: Path) -> None:
+    cfg = load_config(
+        write(tmp_path, "tf_port_range: [30000, 30100]\nsite_env: {NCCL_DEBUG: WARN}\n")
+    )
+    assert cfg.tf_port_range == (30000, 30100)
+    assert cfg.site_env == {"NCCL_DEBUG": "WARN"}
+    assert load_config(write(tmp_path, "")).site_env == {"TF_FORCE_GPU_ALLOW_GROWTH": "true"}
+    for bad in (
+        "tf_port_range: [10, 20]\n",
+        "site_env: {'bad name': x}\n",
+        "site_env: {A: 1}\n",
+        "single_task_tf_config: yes-please\n",
+    ):
+        with pytest.raises(ConfigError):
+            load_config(write(tmp_path, bad))
