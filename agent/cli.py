@@ -72,6 +72,16 @@ def cmd_resolve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_submit_check(args: argparse.Namespace) -> int:
+    from tfimage.agent.binds import parse_mounts
+
+    cfg = _config(args)
+    ref = cfg.reference(args.ref)
+    parse_mounts(args.mounts, cfg.mount_prefixes)
+    print(ref)
+    return 0
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     from tfimage.agent.cache import ImageCache
 
@@ -141,12 +151,16 @@ def cmd_step_prepare(args: argparse.Namespace) -> int:
         layout=layout,
         node_id=args.node_id,
         local_tasks=args.local_tasks,
+        tf_mount=args.mounts,
     )
     plan = plan_step(_config(args), req)
     # A NUL-separated token stream for the plugin:
     #   argv N a1 .. aN        the runtime's prefix
     #   env L NAME VALUE       set NAME=VALUE in local task L, unless the user set it
+    #   src PATH               a --tf-mount source each task checks, as the user
     tokens = ["argv", str(len(plan.argv)), *plan.argv]
+    for src in plan.sources:
+        tokens += ["src", src]
     for local, env in sorted(plan.env.items()):
         for name, value in sorted(env.items()):
             tokens += ["env", str(local), name, value]
@@ -178,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--json", action="store_true", help="machine-readable output")
     r.set_defaults(func=cmd_resolve)
+
+    sc = sub.add_parser(
+        "submit-check", help="(plugin helper) check --tf-image and --tf-mount at submit"
+    )
+    sc.add_argument("ref", help="image reference")
+    sc.add_argument("--mounts", default="", help="the --tf-mount value")
+    sc.set_defaults(func=cmd_submit_check)
 
     pl = sub.add_parser("pull", help="pull an image into this node's cache")
     pl.add_argument("ref", help="image reference")
@@ -214,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a step variable (SLURM_STEP_NODELIST and friends)",
     )
     sp.add_argument("--node-id", type=int, default=0)
+    sp.add_argument("--mounts", default="", help="the step's --tf-mount value")
     sp.add_argument("--local-tasks", type=int, default=0)
     sp.set_defaults(func=cmd_step_prepare)
     return p

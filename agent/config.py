@@ -35,7 +35,10 @@ class Config:
     connect_timeout: float = 5.0
     read_timeout: float = 30.0
     hook_deadline: float = 900.0
+    # SRC:DST[:ro|rw] bound into every container whose SRC exists on the node.
     default_mounts: tuple[str, ...] = field(default_factory=tuple)
+    # Where --tf-mount sources may come from.
+    mount_prefixes: tuple[str, ...] = ("/home", "/data", "/scratch")
     # Set in every task where the user has not set them; TF wants exactly "true".
     site_env: dict[str, str] = field(default_factory=lambda: {"TF_FORCE_GPU_ALLOW_GROWTH": "true"})
     tf_port_range: tuple[int, int] = (29000, 29999)
@@ -53,7 +56,7 @@ class Config:
         return ref
 
 
-_TUPLES = {"mirrors", "allowed_registries", "default_mounts"}
+_TUPLES = {"mirrors", "allowed_registries", "default_mounts", "mount_prefixes"}
 _FLOATS = {"connect_timeout", "read_timeout", "hook_deadline"}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 

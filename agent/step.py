@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tfimage.agent import mounts
+from tfimage.agent.binds import parse_mounts
 from tfimage.agent.cache import CachedImage, ImageCache
 from tfimage.agent.config import Config
 from tfimage.agent.errors import RuntimeSetupError
@@ -41,6 +42,7 @@ class StepRequest:
     layout: dict[str, str] = field(default_factory=dict)
     node_id: int = 0
     local_tasks: int = 0
+    tf_mount: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,8 @@ class StepPlan:
 
     argv: list[str]
     env: dict[int, dict[str, str]]
+    # --tf-mount sources, checked by each task as the user (never followed as root)
+    sources: list[str] = field(default_factory=list)
 
 
 def step_env(cfg: Config, req: StepRequest) -> dict[int, dict[str, str]]:
@@ -104,7 +108,8 @@ def plan_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) ->
             user = str(req.uid)
         for task in env.values():
             task.setdefault("USER", user)
-    return StepPlan(argv, env)
+    sources = [b.src for b in parse_mounts(req.tf_mount, cfg.mount_prefixes)]
+    return StepPlan(argv, env, sources)
 
 
 def prepare_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) -> list[str]:
@@ -112,7 +117,11 @@ def prepare_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None)
     if req.uid == 0:
         raise RuntimeSetupError("refusing to run a container task as root")
     workdir = mounts.safe_abspath(req.workdir, "working directory") if req.workdir else None
-    binds: list[Bind] = []
+    binds = parse_mounts(req.tf_mount, cfg.mount_prefixes)
+    for d in parse_mounts(",".join(cfg.default_mounts), ("/",)):
+        # The admin's defaults: skipped where the node lacks them, and the user's win.
+        if Path(d.src).exists() and not any(b.dst == d.dst for b in binds):
+            binds.append(d)
     if req.script:
         script = mounts.safe_abspath(req.script, "batch script")
         # The script lives in the slurmd spool, which no runtime binds by itself.

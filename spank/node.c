@@ -84,13 +84,20 @@ static int parse_answer(char *buf, size_t len)
 	if (tfi_state.prefix[0][0] != '/')
 		return -1;
 	tfi_state.env_len = 0;
-	for (i = 2 + tfi_state.prefix_len; i < n; i += 4) {
-		if (i + 3 >= n || strcmp(tok[i], "env") != 0 || tfi_state.env_len >= TFI_MAX_ENV)
+	tfi_state.sources_len = 0;
+	for (i = 2 + tfi_state.prefix_len; i < n;) {
+		if (strcmp(tok[i], "src") == 0 && i + 1 < n && tfi_state.sources_len < TFI_MAX_ARGS) {
+			tfi_state.sources[tfi_state.sources_len++] = tok[i + 1];
+			i += 2;
+		} else if (strcmp(tok[i], "env") == 0 && i + 3 < n && tfi_state.env_len < TFI_MAX_ENV) {
+			tfi_state.env[3 * tfi_state.env_len] = tok[i + 1];
+			tfi_state.env[3 * tfi_state.env_len + 1] = tok[i + 2];
+			tfi_state.env[3 * tfi_state.env_len + 2] = tok[i + 3];
+			tfi_state.env_len++;
+			i += 4;
+		} else {
 			return -1;
-		tfi_state.env[3 * tfi_state.env_len] = tok[i + 1];
-		tfi_state.env[3 * tfi_state.env_len + 1] = tok[i + 2];
-		tfi_state.env[3 * tfi_state.env_len + 2] = tok[i + 3];
-		tfi_state.env_len++;
+		}
 	}
 	return 0;
 }
@@ -131,6 +138,10 @@ static int prepare(void)
 	if (tfi_state.script[0]) {
 		hargv[h++] = "--script";
 		hargv[h++] = tfi_state.script;
+	}
+	if (tfi_state.mounts[0]) {
+		hargv[h++] = "--mounts";
+		hargv[h++] = tfi_state.mounts;
 	}
 	hargv[h++] = "--node-id";
 	hargv[h++] = snode;
@@ -239,6 +250,15 @@ int tfi_node_task_init(spank_t sp)
 	}
 	if (!tfi_state.prefix_buf)
 		return 0;
+	/* As the user: a source the user cannot see is reported, not bound. */
+	for (int i = 0; i < tfi_state.sources_len; i++) {
+		if (access(tfi_state.sources[i], F_OK) != 0) {
+			fprintf(stderr, "tfimage: --tf-mount: source %s: %s\n", tfi_state.sources[i],
+				strerror(errno));
+			fflush(stderr);
+			return -1;
+		}
+	}
 	{
 		int task = -1;
 		char id[16];

@@ -14,8 +14,8 @@ const char *tfi_strip_prefix(const char *msg)
 
 int tfi_submit_init_post_opt(spank_t sp)
 {
-	char *argv[] = { tfi_conf.helper, "--config", tfi_conf.config, "resolve", "--offline",
-			 "--", tfi_state.image, NULL };
+	char *argv[] = { tfi_conf.helper, "--config", tfi_conf.config, "submit-check",
+			 "--mounts", tfi_state.mounts, "--", tfi_state.image, NULL };
 	char err[512];
 	char *out = NULL;
 	size_t len = 0;
@@ -24,7 +24,7 @@ int tfi_submit_init_post_opt(spank_t sp)
 	rc = tfi_run_helper(argv, tfi_conf.submit_timeout, &out, &len, err, sizeof(err));
 	if (rc != 0) {
 		slurm_error("tfimage: submit: %s", err[0] ? tfi_strip_prefix(err)
-							: "the image reference check failed");
+							: "the image and mount check failed");
 		free(out);
 		return -1;
 	}

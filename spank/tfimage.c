@@ -10,12 +10,17 @@ struct tfi_state tfi_state;
 
 static int opt_image(int val, const char *optarg, int remote);
 static int opt_batch(int val, const char *optarg, int remote);
+static int opt_mount(int val, const char *optarg, int remote);
 
 static struct spank_option tfi_options[] = {
 	{ "tf-image", "REF",
 	  "[tfimage] run the job's tasks inside this SIF image "
 	  "(name:tag, project/name:tag, host/path:tag, @sha256:..., oras:// or docker://)",
 	  1, 0, opt_image },
+	{ "tf-mount", "SRC:DST[:ro|rw][,...]",
+	  "[tfimage] bind host directories into the image (sources limited to the site's "
+	  "allowed prefixes)",
+	  1, 0, opt_mount },
 	{ "tf-batch", "auto|container|host",
 	  "[tfimage] where the batch script runs: auto (in the image if the job has one "
 	  "task, else on the host so srun works), container or host",
@@ -37,6 +42,19 @@ static int opt_image(int val, const char *optarg, int remote)
 	}
 	strcpy(tfi_state.image, optarg);
 	tfi_state.image_set = 1;
+	return 0;
+}
+
+static int opt_mount(int val, const char *optarg, int remote)
+{
+	(void)val;
+	(void)remote;
+	if (optarg == NULL || strlen(optarg) >= sizeof(tfi_state.mounts)) {
+		slurm_error("tfimage: --tf-mount: missing or longer than %zu characters",
+			    sizeof(tfi_state.mounts) - 1);
+		return -1;
+	}
+	strcpy(tfi_state.mounts, optarg);
 	return 0;
 }
 

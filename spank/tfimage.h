@@ -31,6 +31,7 @@ struct tfi_conf {
 struct tfi_state {
 	int image_set;
 	char image[TFI_MAX_REF + 1];
+	char mounts[TFI_MAX_PATH];  /* --tf-mount, checked by the helper */
 	enum tfi_batch batch;
 	/* node side: the helper's answer, NUL-separated tokens (see node.c) */
 	char *prefix_buf;
@@ -38,6 +39,8 @@ struct tfi_state {
 	int prefix_len;
 	char *env[3 * TFI_MAX_ENV]; /* (local task id, name, value) triples */
 	int env_len;
+	char *sources[TFI_MAX_ARGS]; /* --tf-mount sources each task checks as the user */
+	int sources_len;
 	/* node side: why the image could not be readied; reported by each task,
 	 * whose stderr the user sees (slurmstepd's own log reaches only the admin) */
 	char error[600];

@@ -201,7 +201,13 @@ credentials: $t/credentials.yaml
 cache_dir: /var/cache/tfimage
 state_dir: /run/tfimage
 runtime: charliecloud
+# The seed's default mount, with the site's data at $STATE/data standing in for /data.
+default_mounts: ["$STATE/data:/mnt"]
+mount_prefixes: ["/home", "/data", "$STATE/data"]
 YML
+    mkdir -p "$STATE/data"
+    echo "site data" >"$STATE/data/README"
+    chmod 0755 "$STATE/data"; chmod 0644 "$STATE/data/README"
     chmod 0644 "$t/config.yaml"
     (umask 077; cat >"$t/credentials.yaml" <<YML
 registries:

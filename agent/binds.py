@@ -1,0 +1,67 @@
+"""``--tf-mount=SRC:DST[:ro|rw][,...]`` and the admin's default mounts, parsed strictly.
+
+Sources must lie under one of the admin's allowed prefixes (``mount_prefixes``),
+compared on whole path components, so ``/data`` allows ``/data/x`` but not
+``/database``.  Destinations may not cover the container's system directories.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tfimage.agent.errors import ReferenceError
+from tfimage.agent.runtime import Bind
+
+MAX_MOUNTS = 32
+# Names of the image's system directories, compared as strings, never opened.
+_RESERVED = tuple(
+    "/" + d
+    for d in ("", "proc", "sys", "dev", "etc", "usr", "bin", "sbin", "lib", "lib64", "run", "tmp")
+)
+
+
+class MountError(ReferenceError):
+    """A bad ``--tf-mount``: exit 2, one line, like a bad reference."""
+
+
+def _path(p: str, what: str, spec: str) -> str:
+    if not p.startswith("/") or os.path.normpath(p) != p or p.startswith("//") or "\0" in p:
+        raise MountError(f"--tf-mount {spec!r}: {what} {p!r} must be a normal absolute path")
+    return p
+
+
+def under(path: str, prefix: str) -> bool:
+    prefix = prefix.rstrip("/") or "/"
+    return path == prefix or path.startswith(prefix + "/") or prefix == "/"
+
+
+def parse_mounts(text: str, allowed_prefixes: tuple[str, ...]) -> list[Bind]:
+    """Parse a comma-separated mount list; raise :class:`MountError` naming the problem."""
+    if not text:
+        return []
+    items = text.split(",")
+    if len(items) > MAX_MOUNTS:
+        raise MountError(f"--tf-mount: at most {MAX_MOUNTS} mounts")
+    out: list[Bind] = []
+    for spec in items:
+        parts = spec.split(":")
+        if len(parts) not in (2, 3) or any(not p for p in parts):
+            raise MountError(f"--tf-mount {spec!r}: expected SRC:DST or SRC:DST:ro|rw")
+        src, dst = _path(parts[0], "source", spec), _path(parts[1], "destination", spec)
+        mode = parts[2] if len(parts) == 3 else "rw"
+        if mode not in ("ro", "rw"):
+            raise MountError(f"--tf-mount {spec!r}: mode must be ro or rw, not {mode!r}")
+        if not any(under(src, p) for p in allowed_prefixes):
+            raise MountError(
+                f"--tf-mount {spec!r}: source {src} is outside the allowed prefixes "
+                f"({', '.join(allowed_prefixes) or 'none configured'})"
+            )
+        if any(under(r, dst) or (r != "/" and under(dst, r)) for r in _RESERVED):
+            raise MountError(
+                f"--tf-mount {spec!r}: destination {dst} would cover a system "
+                "directory of the image"
+            )
+        if any(b.dst == dst for b in out):
+            raise MountError(f"--tf-mount: destination {dst} is given twice")
+        out.append(Bind(src, dst, read_only=(mode == "ro")))
+    return out

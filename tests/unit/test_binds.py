@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import pytest
+
+from tfimage.agent.binds import MountError, parse_mounts
+from tfimage.agent.runtime import Bind
+
+PREFIXES = ("/home", "/data")
+
+
+def test_valid_mounts() -> None:
+    assert parse_mounts("/data/a:/mnt/a:ro,/home/u/x:/x", PREFIXES) == [
+        Bind("/data/a", "/mnt/a", True),
+        Bind("/home/u/x", "/x", False),
+    ]
+    assert parse_mounts("", PREFIXES) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("/etc:/x", "outside the allowed prefixes"),
+        ("/database/x:/x", "outside the allowed prefixes"),  # prefix on whole components
+        ("/data/../etc:/x", "normal absolute path"),
+        ("data:/x", "normal absolute path"),
+        ("/data/a", "expected SRC:DST"),
+        ("/data/a:/x:rx", "mode must be ro or rw"),
+        ("/data/a:/etc", "system directory"),
+        ("/data/a:/", "system directory"),
+        ("/data/a:/usr/lib", "system directory"),
+        ("/data/a:/x,/data/b:/x", "given twice"),
+        ("/data/a:/x,", "expected SRC:DST"),
+    ],
+)
+def test_bad_mounts_name_the_problem(text: str, why: str) -> None:
+    with pytest.raises(MountError, match=why) as e:
+        parse_mounts(text, PREFIXES)
+    assert "\n" not in str(e.value)
