@@ -82,6 +82,46 @@ def cmd_submit_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    from tfimage.agent.tfenv import task_env
+
+    cfg = _config(args)
+    # Recompute from the step alone, then compare with what this task really has.
+    ours = {"TF_CONFIG", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", *cfg.site_env}
+    base = {k: v for k, v in os.environ.items() if k not in ours}
+    te = task_env(
+        base,
+        site_env=cfg.site_env,
+        port_range=cfg.tf_port_range,
+        single_task_tf_config=cfg.single_task_tf_config,
+    )
+    rows = []
+    for name, d in sorted(te.set.items()):
+        cur = os.environ.get(name)
+        if cur is None:
+            state = "not set here (tfimage sets it in --tf-image steps)"
+        elif cur == d.value:
+            state = "set by tfimage"
+        else:
+            state = "set by the user; tfimage left it alone"
+        rows.append(
+            {
+                "name": name,
+                "value": cur if cur is not None else d.value,
+                "state": state,
+                "why": d.why,
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, sort_keys=True))
+        return 0
+    for r in rows:
+        print(f"{r['name']}={r['value']}")
+        if args.explain:
+            print(f"    {r['state']}: {r['why']}")
+    return 0
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     from tfimage.agent.cache import ImageCache
 
@@ -199,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("ref", help="image reference")
     sc.add_argument("--mounts", default="", help="the --tf-mount value")
     sc.set_defaults(func=cmd_submit_check)
+
+    ev = sub.add_parser("env", help="inside a job step: the TF/NCCL variables of this task")
+    ev.add_argument("--explain", action="store_true", help="say why each value was chosen")
+    ev.add_argument("--json", action="store_true", help="machine-readable output")
+    ev.set_defaults(func=cmd_env)
 
     pl = sub.add_parser("pull", help="pull an image into this node's cache")
     pl.add_argument("ref", help="image reference")

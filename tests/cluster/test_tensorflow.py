@@ -190,3 +190,15 @@ def test_missing_mount_source_fails_the_step_clearly(cluster: Cluster, workdir: 
     )
     assert r.returncode != 0
     assert f"tfimage: --tf-mount: source {workdir}/nope: No such file or directory" in r.stderr
+
+
+def test_env_explain_inside_a_step(cluster: Cluster, workdir: Path) -> None:
+    r = cluster.run(["srun", "-N2", "-n2", "tfimage", "env", "--json"], cwd=workdir,
+                    extra_env={"TF_FORCE_GPU_ALLOW_GROWTH": "false"})
+    assert r.returncode == 0, r.stderr
+    for line in r.stdout.splitlines():
+        rows = {row["name"]: row for row in json.loads(line)}
+        assert rows["TF_FORCE_GPU_ALLOW_GROWTH"]["state"].startswith("set by the user")
+        assert "host-major over n1,n2" in rows["TF_CONFIG"]["why"]
+    outside = cluster.run(["tfimage", "env"], cwd=workdir)
+    assert outside.returncode == 2 and "not inside a job step" in outside.stderr
