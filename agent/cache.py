@@ -23,15 +23,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tfimage.agent.artifact import sif_layer
 from tfimage.agent.config import Config
-from tfimage.agent.credentials import load_credentials
 from tfimage.agent.errors import CacheError, RegistryError, VerificationError
 from tfimage.agent.reference import Reference
-from tfimage.agent.registry import RegistryClient
 from tfimage.agent.sif import has_magic
+
+if TYPE_CHECKING:  # the registry client (and requests) load only when a pull needs them
+    from tfimage.agent.registry import RegistryClient
 
 Progress = Callable[[int, int], None]
 
@@ -46,6 +46,9 @@ class CachedImage:
 
 
 def client_for(cfg: Config, host: str) -> RegistryClient:
+    from tfimage.agent.credentials import load_credentials
+    from tfimage.agent.registry import RegistryClient
+
     creds = load_credentials(cfg.credentials)
     return RegistryClient(
         host,
@@ -93,11 +96,14 @@ class ImageCache:
         """Make sure the image ``ref`` names is in the cache; return it pinned."""
         started = time.monotonic()
         self._dirs()
-        client = self._client_factory(ref.registry)
         if ref.digest and self.path_of(ref.digest).exists():
+            # Pinned and present: no registry round trip, not even an import.
             path = self.path_of(ref.digest)
             self._touch(ref, ref.digest)
             return CachedImage(ref, path, path.stat().st_size, True, time.monotonic() - started)
+        from tfimage.agent.artifact import sif_layer
+
+        client = self._client_factory(ref.registry)
         manifest = client.manifest(ref.repository, ref.version)
         pinned = ref.pinned(manifest.digest)
         path = self.path_of(manifest.digest)
@@ -175,9 +181,16 @@ class ImageCache:
             meta["refs"].append(name)
         meta["last_used"] = now
         meta["size"] = self.path_of(digest).stat().st_size
-        tmp = meta_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(meta, sort_keys=True))
-        os.replace(tmp, meta_path)
+        # Several steps may touch one entry at once: each writes its own temp file,
+        # and the last rename wins (last_used is advisory, for eviction).
+        tmp = meta_path.with_suffix(f".json.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(meta, sort_keys=True))
+            os.replace(tmp, meta_path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise CacheError(f"{self.root}: cannot record use of {digest[:19]}: {e}") from None
 
     def entries(self) -> list[dict[str, Any]]:
         out = []

@@ -148,6 +148,7 @@ def release_job(state_dir: str, job_id: str) -> list[str]:
                 proc.run(["umount", "-l", target], timeout=MOUNT_TIMEOUT, what="unmounting")
     if base.exists() and not any(mounted(Path(t)) for t in targets):
         shutil.rmtree(base, ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(f"{base}.lock")
+    for leftover in (f"{base}.lock", f"{base}.images.json"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(leftover)
     return stuck

@@ -6,6 +6,8 @@ Called as root, by the prolog (once per job) and by the SPANK plugin's helper
 
 from __future__ import annotations
 
+import json
+import os
 import pwd
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,12 +77,46 @@ def step_env(cfg: Config, req: StepRequest) -> dict[int, dict[str, str]]:
     return out
 
 
+def _record_path(cfg: Config, job_id: str) -> Path:
+    return mounts.job_dir(cfg.state_dir, job_id).with_suffix(".images.json")
+
+
+def _pinned_for_job(cfg: Config, job_id: str, image: str) -> str | None:
+    """What this job's image text was pinned to on this node (by the prolog)."""
+    try:
+        record = json.loads(_record_path(cfg, job_id).read_text())
+    except (OSError, ValueError):
+        return None
+    pinned = record.get(image) if isinstance(record, dict) else None
+    return pinned if isinstance(pinned, str) else None
+
+
+def _remember(cfg: Config, job_id: str, image: str, pinned: str) -> None:
+    path = _record_path(cfg, job_id)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        record = {}
+    record[image] = pinned
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
 def prepare_job(
     cfg: Config, job_id: str, image: str, cache: ImageCache | None = None
 ) -> CachedImage:
-    """Prolog: pull the image into the node cache and mount it if the runtime needs it."""
-    ref = cfg.reference(image)
+    """Prolog: pull the image into the node cache and mount it if the runtime needs it.
+
+    The pinned reference is remembered for the job, so its steps reuse exactly the
+    bytes the prolog fetched without asking the registry again.
+    """
+    known = _pinned_for_job(cfg, job_id, image)
+    ref = cfg.reference(known or image)
     cached = (cache or ImageCache(cfg)).ensure(ref)
+    if not known:
+        with mounts.job_lock(cfg.state_dir, job_id):
+            _remember(cfg, job_id, image, str(cached.ref))
     if runtime_for(cfg.runtime, cfg.runtime_path).needs_mount:
         assert cached.ref.digest
         with mounts.job_lock(cfg.state_dir, job_id):

@@ -193,8 +193,11 @@ def test_missing_mount_source_fails_the_step_clearly(cluster: Cluster, workdir: 
 
 
 def test_env_explain_inside_a_step(cluster: Cluster, workdir: Path) -> None:
-    r = cluster.run(["srun", "-N2", "-n2", "tfimage", "env", "--json"], cwd=workdir,
-                    extra_env={"TF_FORCE_GPU_ALLOW_GROWTH": "false"})
+    r = cluster.run(
+        ["srun", "-N2", "-n2", "tfimage", "env", "--json"],
+        cwd=workdir,
+        extra_env={"TF_FORCE_GPU_ALLOW_GROWTH": "false"},
+    )
     assert r.returncode == 0, r.stderr
     for line in r.stdout.splitlines():
         rows = {row["name"]: row for row in json.loads(line)}

@@ -1,0 +1,98 @@
+"""tfimage benchmarks: one command, ratios against baselines measured in the same run.
+
+    python bench/run.py [--runs N]
+
+- launch: added cost of --tf-image on a step with a warm cache,
+  `srun -N2 -n4 --tf-image=tiny:1.0 /bin/sh -c true` against the same srun without it,
+  (":" itself is srun's heterogeneous-job separator, so the step runs `true`),
+  beside a bare `python3 -c pass` and `python3 -c "import requests"` start.
+  Goal: the step's median grows by <= 150 ms.
+
+Needs the local cluster (`make cluster-up`).  Machines here are noisy (2 cores):
+medians, and ratios within one run, are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pwd
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cluster_env() -> dict[str, str]:
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+    path = REPO / "build" / "cluster.env"
+    if not path.exists():
+        sys.exit("bench: no local cluster; run `make cluster-up` first")
+    for line in path.read_text().splitlines():
+        if line.startswith("export ") and "=" in line:
+            k, v = line[len("export ") :].split("=", 1)
+            env[k] = v.replace("$PATH", env["PATH"])
+    return env
+
+
+def timed(
+    argv: list[str], env: dict[str, str], runs: int, user: str | None = None, cwd: str | None = None
+) -> list[float]:
+    kw: dict[str, object] = {}
+    if user:
+        pw = pwd.getpwnam(user)
+        env = {**env, "HOME": pw.pw_dir, "USER": user, "PWD": cwd or pw.pw_dir}
+        kw = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+    out = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        r = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, timeout=300, **kw)  # type: ignore[call-overload]
+        out.append((time.perf_counter() - t) * 1000)
+        if r.returncode != 0:
+            sys.exit(f"bench: {' '.join(argv)} failed: {r.stderr.decode()[-500:]}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--runs", type=int, default=15)
+    args = ap.parse_args()
+    env = cluster_env()
+    user = env["TFIMAGE_TEST_USER"]
+    cwd = pwd.getpwnam(user).pw_dir
+    # Warm the cache and the mounts path once, untimed.
+    timed(["srun", "-N2", "-n4", "--tf-image=tiny:1.0", "/bin/sh", "-c", "true"], env, 1, user, cwd)
+    results = {}
+    order = [
+        ("python3 -c pass", ["python3", "-c", "pass"], None),
+        ("python3 -c 'import requests'", [sys.executable, "-c", "import requests"], None),
+        ("srun -N2 -n4 sh -c true", ["srun", "-N2", "-n4", "/bin/sh", "-c", "true"], user),
+        (
+            "srun -N2 -n4 --tf-image=tiny:1.0 sh -c true",
+            ["srun", "-N2", "-n4", "--tf-image=tiny:1.0", "/bin/sh", "-c", "true"],
+            user,
+        ),
+    ]
+    # Interleave the two srun variants so drift on a noisy machine hits both alike.
+    samples: dict[str, list[float]] = {name: [] for name, _, _ in order}
+    for _ in range(args.runs):
+        for name, argv, who in order:
+            samples[name] += timed(argv, env, 1, who, cwd if who else None)
+    for name, vals in samples.items():
+        results[name] = statistics.median(vals)
+        print(f"{name:<45} median {results[name]:8.1f} ms  (n={len(vals)})")
+    base = results["srun -N2 -n4 sh -c true"]
+    tf = results["srun -N2 -n4 --tf-image=tiny:1.0 sh -c true"]
+    print(
+        f"\nlaunch: --tf-image adds {tf - base:+.1f} ms per step "
+        f"({tf / base:.2f}x the plain step); goal <= +150 ms -> "
+        f"{'MET' if tf - base <= 150 else 'NOT MET'}"
+    )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
