@@ -7,6 +7,10 @@
 #   cluster.sh down   stops all of it: no process, mount, namespace or link left.
 #   cluster.sh status
 #
+# SLURM_FLAVOR=host (default) runs this machine's Slurm; SLURM_FLAVOR=other runs the
+# other Debian generation's Slurm (22.05 <-> 24.11) from a cached chroot built by
+# other-slurm.sh, with the same node names, user, registry and build/cluster.env.
+#
 # `up` is a clean restart when the cluster is already up.  Spool directories live
 # under /var/lib, outside /tmp, so nothing is visible in a container by accident.
 set -euo pipefail
@@ -26,6 +30,11 @@ REGISTRY=$CTL_ADDR:$REG_PORT
 TEST_USER=${TFIMAGE_TEST_USER:-tfuser}
 ROBOT='robot$tfimage+ci'
 ENV_FILE=$REPO/build/cluster.env
+FLAVOR=${SLURM_FLAVOR:-host}
+ROOT=""   # the other Slurm's chroot, when FLAVOR=other
+
+# Run a Slurm or munge program of the selected flavor.
+in_root() { if [ -n "$ROOT" ]; then chroot "$ROOT" "$@"; else "$@"; fi; }
 
 log() { printf 'cluster: %s\n' "$*" >&2; }
 die() { printf 'cluster: error: %s\n' "$*" >&2; exit 1; }
@@ -42,6 +51,11 @@ kill_ns_procs() { # every process sharing NODE's recorded mount namespace
     local nsfile=$RUN/$1.mntns ns pid
     [ -f "$nsfile" ] || return 0
     ns=$(cat "$nsfile")
+    # Never the machine's own mount namespace: that would be every process.
+    if [ "$ns" = "$(readlink /proc/self/ns/mnt)" ] || [ "$ns" = "$(readlink /proc/1/ns/mnt)" ]; then
+        rm -f "$nsfile"
+        return 0
+    fi
     for _ in 1 2 3 4 5 6 7 8 9 10; do
         local pids=()
         for p in /proc/[0-9]*; do
@@ -75,6 +89,14 @@ down() {
     stop_pid "$RUN/slurmctld.pid"
     stop_pid "$RUN/registry.pid"
     stop_pid "$RUN/munged.pid"
+    if [ -f "$RUN/chroot.root" ]; then
+        local r
+        r=$(cat "$RUN/chroot.root")
+        for m in "$STATE" /home /sys /dev /proc; do
+            umount -R -l "$r$m" 2>/dev/null || true
+        done
+        rm -f "$RUN/chroot.root"
+    fi
     for n in "${NODES[@]}"; do
         ip netns del "$n" 2>/dev/null || true
     done
@@ -121,16 +143,39 @@ setup_network() {
 }
 
 start_munge() {
-    mkdir -p /run/munge /var/lib/munge /var/log/munge
+    local r=$ROOT
+    mkdir -p "$r/run/munge" "$r/var/lib/munge" "$r/var/log/munge"
     [ -s /etc/munge/munge.key ] || mungekey -c -k /etc/munge/munge.key
-    chown -R munge:munge /etc/munge /var/lib/munge /var/log/munge /run/munge
-    chmod 0700 /etc/munge
-    chmod 0400 /etc/munge/munge.key
-    chmod 0755 /run/munge
-    su -s /bin/sh munge -c munged
-    for _ in $(seq 50); do [ -f /run/munge/munged.pid ] && break; sleep 0.1; done
-    cp /run/munge/munged.pid "$RUN/munged.pid"
-    munge -n | unmunge >/dev/null || die "munge does not work"
+    [ -z "$r" ] || install -D -m 0400 /etc/munge/munge.key "$r/etc/munge/munge.key"
+    in_root chown -R munge:munge /etc/munge /var/lib/munge /var/log/munge /run/munge
+    chmod 0700 "$r/etc/munge"
+    chmod 0400 "$r/etc/munge/munge.key"
+    chmod 0755 "$r/run/munge"
+    rm -f "$r/run/munge/munged.pid"
+    in_root su -s /bin/sh munge -c munged
+    for _ in $(seq 50); do [ -f "$r/run/munge/munged.pid" ] && break; sleep 0.1; done
+    cp "$r/run/munge/munged.pid" "$RUN/munged.pid"
+    in_root sh -c 'munge -n | unmunge >/dev/null' || die "munge does not work"
+}
+
+setup_root() { # the other flavor's chroot: kernel filesystems, /home, the state, names
+    bash "$REPO/deploy/local/other-slurm.sh" install
+    ROOT=$(bash "$REPO/deploy/local/other-slurm.sh" root)
+    echo "$ROOT" >"$RUN/chroot.root"
+    mount -t proc proc "$ROOT/proc"
+    mount --rbind /dev "$ROOT/dev"
+    mount --rbind /sys "$ROOT/sys"   # the cgroup mounts must come along
+    mount --bind /home "$ROOT/home"
+    mkdir -p "$ROOT$STATE"
+    mount --bind "$STATE" "$ROOT$STATE"
+    cat /etc/hosts >"$ROOT/etc/hosts"
+    local uid gid
+    uid=$(id -u "$TEST_USER"); gid=$(id -g "$TEST_USER")
+    chroot "$ROOT" getent group "$TEST_USER" >/dev/null || chroot "$ROOT" groupadd -g "$gid" "$TEST_USER"
+    chroot "$ROOT" id "$TEST_USER" >/dev/null 2>&1 \
+        || chroot "$ROOT" useradd -M -u "$uid" -g "$gid" -d "/home/$TEST_USER" -s /bin/sh "$TEST_USER"
+    grep -q '^user_allow_other' "$ROOT/etc/fuse.conf" 2>/dev/null || echo user_allow_other >>"$ROOT/etc/fuse.conf"
+    mkdir -p "$ROOT/var/cache/tfimage" "$ROOT/run/tfimage" "$ROOT/var/log/tfimage" "$ROOT/.oldroot"
 }
 
 make_pki() {
@@ -184,6 +229,11 @@ install_tfimage() {
     [ -x "$PREFIX/bin/python3" ] || /usr/bin/python3 -m venv "$PREFIX"
     "$PREFIX/bin/pip" install -q --disable-pip-version-check "$REPO" >"$LOGS/pip.log" 2>&1 \
         || { tail -20 "$LOGS/pip.log" >&2; die "installing tfimage into $PREFIX failed"; }
+    if [ -n "$ROOT" ]; then  # built in the chroot, against that Slurm
+        install -D -m 0755 "$ROOT/usr/src/tfimage-spank/build/spank_tfimage.so" \
+            "$STATE/lib/spank_tfimage.so"
+        return 0
+    fi
     make -s -C "$REPO/spank" OBJDIR="$STATE/spank-build" >/dev/null
     install -D -m 0755 "$STATE/spank-build/spank_tfimage.so" "$STATE/lib/spank_tfimage.so"
 }
@@ -238,7 +288,6 @@ CredType=cred/munge
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/spool/%n
 SlurmctldPidFile=$RUN/slurmctld.pid
-SlurmdPidFile=$RUN/slurmd-%n.pid
 SlurmctldLogFile=$LOGS/slurmctld.log
 SlurmdLogFile=$LOGS/slurmd-%n.log
 SlurmctldDebug=info
@@ -268,31 +317,55 @@ CONF
 }
 
 start_slurm() {
-    mkdir -p "$STATE/ctld" /var/cache/tfimage /run/tfimage /var/log/tfimage
-    SLURM_CONF=$ETC/slurm.conf slurmctld -i
+    mkdir -p "$STATE/ctld" "$ROOT/var/cache/tfimage" "$ROOT/run/tfimage" "$ROOT/var/log/tfimage"
+    SLURM_CONF=$ETC/slurm.conf in_root slurmctld -i
     for n in "${NODES[@]}"; do
         local nd=$STATE/nodes/$n
         mkdir -p "$STATE/spool/$n" "$nd/cache" "$nd/run" "$nd/log"
         # Own network, hostname and mounts: cache and /run state really are per node.
-        SLURM_CONF=$ETC/slurm.conf nsenter --net="/run/netns/$n" \
-            unshare --uts --mount --propagation private sh -c "
-                hostname $n
-                mount --bind $nd/cache /var/cache/tfimage
-                mount -t tmpfs -o mode=0755 tmpfs /run/tfimage
-                mount --bind $nd/log /var/log/tfimage
-                exec slurmd -N $n"
-        for _ in $(seq 50); do alive "$RUN/slurmd-$n.pid" && break; sleep 0.1; done
+        : >"$LOGS/slurmd-$n.log"
+        # In the foreground under setsid: nsenter, unshare and sh all exec, so $! is
+        # slurmd itself, known at once whatever the Slurm version does with pid files.
+        local script="hostname $n
+mount --bind $nd/cache $ROOT/var/cache/tfimage
+mount -t tmpfs -o mode=0755 tmpfs $ROOT/run/tfimage
+mount --bind $nd/log $ROOT/var/log/tfimage"
+        if [ -n "$ROOT" ]; then
+            # The other Slurm's tree becomes the real root of this node's mount
+            # namespace (pivot_root, not chroot): the kernel refuses user namespaces,
+            # which ch-run needs, to a chrooted process.
+            script+="
+mount --rbind $ROOT $ROOT
+cd $ROOT
+pivot_root . .oldroot
+exec chroot . sh -c 'umount -l /.oldroot && exec slurmd -D -N $n'"
+        else
+            script+="
+exec slurmd -D -N $n"
+        fi
+        SLURM_CONF=$ETC/slurm.conf setsid nsenter --net="/run/netns/$n" \
+            unshare --uts --mount --propagation private sh -c "$script" \
+            >>"$LOGS/slurmd-$n.out" 2>&1 </dev/null &
+        echo $! >"$RUN/slurmd-$n.pid"
+        for _ in $(seq 100); do
+            grep -q "slurmd version .* started" "$LOGS/slurmd-$n.log" 2>/dev/null && break
+            alive "$RUN/slurmd-$n.pid" || break
+            sleep 0.1
+        done
         alive "$RUN/slurmd-$n.pid" || { tail -5 "$LOGS/slurmd-$n.log" >&2; die "slurmd $n did not start"; }
-        readlink "/proc/$(cat "$RUN/slurmd-$n.pid")/ns/mnt" >"$RUN/$n.mntns"
+        local ns
+        ns=$(readlink "/proc/$(cat "$RUN/slurmd-$n.pid")/ns/mnt")
+        [ "$ns" != "$(readlink /proc/self/ns/mnt)" ] || die "slurmd $n is not in a mount namespace of its own"
+        echo "$ns" >"$RUN/$n.mntns"
     done
     export SLURM_CONF=$ETC/slurm.conf
     for _ in $(seq 150); do
-        if [ "$(sinfo -h -o '%t' 2>/dev/null | sort -u | tr -d '\n')" = idle ]; then
+        if [ "$(in_root sinfo -h -o '%t' 2>/dev/null | sort -u | tr -d '\n')" = idle ]; then
             return 0
         fi
         sleep 0.2
     done
-    sinfo >&2 || true
+    in_root sinfo >&2 || true
     die "nodes did not become idle"
 }
 
@@ -314,6 +387,8 @@ export TFIMAGE_TEST_USER=$TEST_USER
 export TFIMAGE_LOCAL_STATE=$STATE
 export TFIMAGE_CA=$ETC/tfimage/ca.pem
 export PATH=$PREFIX/bin:\$PATH
+export TFIMAGE_SLURM_FLAVOR=$FLAVOR
+export TFIMAGE_CHROOT=$ROOT
 ENV
 }
 
@@ -325,6 +400,11 @@ up() {
     chmod 0755 "$STATE" "$ETC"
     setup_user
     setup_network
+    case "$FLAVOR" in
+        host) ;;
+        other) setup_root ;;
+        *) die "SLURM_FLAVOR must be host or other, not '$FLAVOR'" ;;
+    esac
     start_munge
     make_pki
     start_registry
@@ -333,7 +413,8 @@ up() {
     start_slurm
     push_images
     write_env
-    log "up: slurm $(sinfo -V | awk '{print $2}'), nodes ${NODES[*]}, registry $REGISTRY"
+    log "up: slurm $(SLURM_CONF=$ETC/slurm.conf in_root sinfo -V | awk '{print $2}') ($FLAVOR)," \
+        "nodes ${NODES[*]}, registry $REGISTRY"
     log "environment: . $ENV_FILE"
 }
 

@@ -26,6 +26,8 @@ class Cluster:
     env: dict[str, str]
     user: str
     state: Path
+    # The other Slurm generation's tree (SLURM_FLAVOR=other): its clients run there.
+    chroot: str = ""
 
     def run(
         self,
@@ -39,11 +41,19 @@ class Cluster:
         """Run a Slurm client command, as the test user unless ``as_root``."""
         env = {**self.env, **(extra_env or {})}
         kw: dict[str, object] = {}
+        pw = pwd.getpwnam(self.user)
         if not as_root:
-            pw = pwd.getpwnam(self.user)
             env.update(HOME=pw.pw_dir, USER=self.user, LOGNAME=self.user)
+        if cwd is not None:
+            env["PWD"] = str(cwd)  # as a shell would
+        if self.chroot:
+            # chroot needs root; it then becomes the user, and env -C enters cwd there.
+            user = [] if as_root else [f"--userspec={pw.pw_uid}:{pw.pw_gid}", "--groups="]
+            argv = ["/usr/sbin/chroot", *user, self.chroot, "env", "-C", str(cwd or "/"), *argv]
+            cwd = None
+        elif not as_root:
             kw = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
-        return subprocess.run(
+        return subprocess.run(  # type: ignore[call-overload, no-any-return]
             argv,
             cwd=cwd,
             env=env,
@@ -52,7 +62,7 @@ class Cluster:
             timeout=timeout,
             stdin=subprocess.DEVNULL,
             **kw,
-        )  # type: ignore[call-overload]
+        )
 
     def node_pid(self, node: str) -> int:
         return int((self.state / "run" / f"slurmd-{node}.pid").read_text())
@@ -90,7 +100,12 @@ def cluster() -> Cluster:
     if os.geteuid() != 0:
         pytest.skip("the cluster tier runs as root (it submits as the test user)")
     env = _load_env()
-    c = Cluster(env, env["TFIMAGE_TEST_USER"], Path(env["TFIMAGE_LOCAL_STATE"]))
+    c = Cluster(
+        env,
+        env["TFIMAGE_TEST_USER"],
+        Path(env["TFIMAGE_LOCAL_STATE"]),
+        env.get("TFIMAGE_CHROOT", ""),
+    )
     ping = c.run(["scontrol", "ping"], as_root=True, timeout=30)
     if "UP" not in ping.stdout:
         pytest.fail(f"slurmctld is not answering: {ping.stdout}{ping.stderr}")

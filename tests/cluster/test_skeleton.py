@@ -86,7 +86,8 @@ def test_job_without_option_is_untouched(cluster: Cluster, workdir: Path) -> Non
         cwd=workdir,
     )
     assert r.returncode == 0, r.stderr
-    host_root_inode = str(Path("/").stat().st_ino)
+    # The node's own root: the machine's, or the other Slurm's tree.
+    host_root_inode = str(Path(cluster.chroot or "/").stat().st_ino)
     assert r.stdout.split("\n")[:-1] == [f"host 0 {host_root_inode}"] * 2
 
 
