@@ -317,8 +317,11 @@ CONF
 }
 
 start_slurm() {
+    # A fresh controller state each time: the two Slurm generations write it differently.
+    rm -rf "$STATE/ctld"
     mkdir -p "$STATE/ctld" "$ROOT/var/cache/tfimage" "$ROOT/run/tfimage" "$ROOT/var/log/tfimage"
-    SLURM_CONF=$ETC/slurm.conf in_root slurmctld -i
+    SLURM_CONF=$ETC/slurm.conf in_root slurmctld -i \
+        || die "slurmctld did not start: $(tail -1 "$LOGS/slurmctld.log" 2>/dev/null)"
     for n in "${NODES[@]}"; do
         local nd=$STATE/nodes/$n
         mkdir -p "$STATE/spool/$n" "$nd/cache" "$nd/run" "$nd/log"

@@ -1,6 +1,12 @@
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from tfimage.agent.runtime import Apptainer, Bind, Charliecloud, StepSpec
 
@@ -60,3 +66,25 @@ def test_apptainer_argv_no_cleanenv_nv_only_with_gpus() -> None:
     assert "--cleanenv" not in argv and "-e" not in argv
     gpu = StepSpec(workdir=None, home=None, gpus=True)
     assert a.prefix(Path("/c/img.sif"), gpu) == ["/usr/bin/apptainer", "exec", "--nv", "/c/img.sif"]
+
+
+def test_apptainer_runs_a_real_sif_where_installed(
+    make_sif: Callable[[dict[str, str]], Path],
+) -> None:
+    exe = shutil.which("apptainer") or shutil.which("singularity")
+    if not exe:
+        pytest.skip(
+            "apptainer/singularity is not installed here (not packaged for Debian 12/13);"
+            " the charliecloud runtime is what the cluster tier runs"
+        )
+    sif = make_sif({"etc/tfimage-test-image": "apptainer-test\n"})
+    argv = Apptainer(Path(exe).name, exe).prefix(sif, StepSpec(workdir=None, home=None))
+    r = subprocess.run(
+        [*argv, "cat", "/etc/tfimage-test-image"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TF_CONFIG": "{}"},
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "apptainer-test"
