@@ -45,11 +45,25 @@ class CachedImage:
     seconds: float
 
 
+def credentials_file(cfg: Config) -> Path | None:
+    """Root uses the site's file; a user (submitting, on a login node) uses their own."""
+    if os.geteuid() == 0:
+        return Path(cfg.credentials)
+    import pwd
+
+    home = Path(pwd.getpwuid(os.geteuid()).pw_dir)
+    for candidate in (home / ".config/tfimage/credentials.yaml", home / ".docker/config.json"):
+        if candidate.exists():
+            return candidate
+    return None  # anonymous pulls
+
+
 def client_for(cfg: Config, host: str) -> RegistryClient:
     from tfimage.agent.credentials import load_credentials
     from tfimage.agent.registry import RegistryClient
 
-    creds = load_credentials(cfg.credentials)
+    path = credentials_file(cfg)
+    creds = load_credentials(path) if path else {}
     return RegistryClient(
         host,
         creds.get(host),

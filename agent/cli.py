@@ -53,11 +53,13 @@ class _Bar:
 def cmd_resolve(args: argparse.Namespace) -> int:
     cfg = _config(args)
     ref = cfg.reference(args.ref)
+    warning = None
     if not args.offline:
-        from tfimage.agent.cache import client_for
+        from tfimage.agent.pinning import pin
 
-        manifest = client_for(cfg, ref.registry).manifest(ref.repository, ref.version)
-        ref = ref.pinned(manifest.digest)
+        ref, warning = pin(cfg, ref)
+        if warning:
+            print(f"tfimage: {warning}", file=sys.stderr)
     _emit(
         args,
         {
@@ -66,6 +68,7 @@ def cmd_resolve(args: argparse.Namespace) -> int:
             "repository": ref.repository,
             "tag": ref.tag,
             "digest": ref.digest,
+            "warning": warning,
         },
         str(ref),
     )
@@ -78,6 +81,14 @@ def cmd_submit_check(args: argparse.Namespace) -> int:
     cfg = _config(args)
     ref = cfg.reference(args.ref)
     parse_mounts(args.mounts, cfg.mount_prefixes)
+    if not args.offline:
+        from tfimage.agent.pinning import pin
+
+        # Set by Slurm in a job whose submission pinned an image (see spank/submit.c).
+        job_image = os.environ.get("SLURM_SPANK_TFIMAGE_IMAGE")
+        ref, warning = pin(cfg, ref, job_image=job_image)
+        if warning:
+            print(f"tfimage: {warning}", file=sys.stderr)
     print(ref)
     return 0
 
@@ -238,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sc.add_argument("ref", help="image reference")
     sc.add_argument("--mounts", default="", help="the --tf-mount value")
+    sc.add_argument("--offline", action="store_true", help="check only; do not pin the tag")
     sc.set_defaults(func=cmd_submit_check)
 
     ev = sub.add_parser("env", help="inside a job step: the TF/NCCL variables of this task")

@@ -5,7 +5,8 @@
     +-- CredentialsError         credentials file unsafe or malformed       (exit 2)
     +-- ReferenceError           malformed or disallowed image reference    (exit 2)
     +-- ImageError               the image can't be had; never drains a node (exit 3)
-    |   +-- RegistryError        registry unreachable, auth refused, not found
+    |   +-- RegistryError        auth refused, not found, bad answer
+    |   |   +-- RegistryUnreachable  no answer (connection, timeout, 5xx) after retries
     |   +-- VerificationError    size, digest, media type or SIF magic wrong
     |   +-- CacheError           the node cache can't store or publish it
     +-- RuntimeSetupError        mounting or preparing the runtime failed   (exit 3)
@@ -39,6 +40,10 @@ class ImageError(TfimageError):
 
 
 class RegistryError(ImageError):
+    pass
+
+
+class RegistryUnreachable(RegistryError):  # noqa: N818 - it names a state, like ConnectionRefused
     pass
 
 

@@ -60,6 +60,11 @@ class Reference:
         """What to ask the registry for: the digest when pinned, else the tag."""
         return self.digest or self.tag or "latest"
 
+    @property
+    def unpinned(self) -> Reference:
+        """The same reference without its digest: what a tag names, not what it named."""
+        return Reference(self.registry, self.repository, self.tag, None, self.transport)
+
     def pinned(self, digest: str) -> Reference:
         """This reference with ``digest`` attached (the tag is kept for the record)."""
         if not _DIGEST.match(digest):

@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 import requests
 
 from tfimage.agent.credentials import Credential
-from tfimage.agent.errors import RegistryError, VerificationError
+from tfimage.agent.errors import RegistryError, RegistryUnreachable, VerificationError
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -106,7 +106,7 @@ class RegistryClient:
             except (requests.ConnectionError, requests.Timeout) as e:
                 attempt += 1
                 if attempt >= self._attempts:
-                    raise RegistryError(f"{self.host}: unreachable: {_short(e)}") from None
+                    raise RegistryUnreachable(f"{self.host}: unreachable: {_short(e)}") from None
                 self._backoff(attempt)
                 kw["headers"] = headers
                 continue
@@ -125,6 +125,11 @@ class RegistryClient:
             if resp.status_code == 401:
                 resp.close()
                 raise RegistryError(f"{self.host}: authentication refused for {scope}")
+            if resp.status_code in _RETRY_STATUS:
+                resp.close()
+                raise RegistryUnreachable(
+                    f"{self.host}: still answering {resp.status_code} after {attempt + 1} tries"
+                )
             return resp
 
     def _backoff(self, attempt: int, retry_after: str | None = None) -> None:

@@ -111,12 +111,15 @@ def prepare_job(
     The pinned reference is remembered for the job, so its steps reuse exactly the
     bytes the prolog fetched without asking the registry again.
     """
-    known = _pinned_for_job(cfg, job_id, image)
-    ref = cfg.reference(known or image)
+    ref = cfg.reference(image)
+    key = str(ref.unpinned)
+    known = _pinned_for_job(cfg, job_id, key)
+    if known and not ref.digest:
+        ref = cfg.reference(known)  # what the job was pinned to, not what the tag is now
     cached = (cache or ImageCache(cfg)).ensure(ref)
     if not known:
         with mounts.job_lock(cfg.state_dir, job_id):
-            _remember(cfg, job_id, image, str(cached.ref))
+            _remember(cfg, job_id, key, str(cached.ref))
     if runtime_for(cfg.runtime, cfg.runtime_path).needs_mount:
         assert cached.ref.digest
         with mounts.job_lock(cfg.state_dir, job_id):

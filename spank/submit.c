@@ -1,6 +1,7 @@
-/* Submit side (srun, sbatch, salloc): check and expand the reference before
- * anything is queued, then hand it to the prolog through the job's control
- * environment (the prolog sees it as SPANK_TFIMAGE_IMAGE). */
+/* Submit side (srun, sbatch, salloc): check the reference and mounts and pin the
+ * tag to its digest before anything is queued, then hand the pinned reference to
+ * the job through its control environment (the prolog sees SPANK_TFIMAGE_IMAGE,
+ * the job's steps SLURM_SPANK_TFIMAGE_IMAGE). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -36,6 +37,9 @@ int tfi_submit_init_post_opt(spank_t sp)
 		return -1;
 	}
 	out[len] = '\0';
+	if (err[0]) /* e.g. the registry was down and a remembered digest was used */
+		slurm_info("%s", tfi_strip_prefix(err));
+	slurm_verbose("tfimage: submit: %s pinned to %s", tfi_state.image, out);
 	rc = spank_job_control_setenv(sp, "TFIMAGE_IMAGE", out, 1);
 	free(out);
 	if (rc != ESPANK_SUCCESS) {

@@ -234,6 +234,7 @@ install_tfimage() {
             "$STATE/lib/spank_tfimage.so"
         return 0
     fi
+    rm -rf "$STATE/spank-build"  # always from this checkout's sources
     make -s -C "$REPO/spank" OBJDIR="$STATE/spank-build" >/dev/null
     install -D -m 0755 "$STATE/spank-build/spank_tfimage.so" "$STATE/lib/spank_tfimage.so"
 }
@@ -266,6 +267,18 @@ registries:
     password: "$(cat "$STATE/pki/robot.password")"
 YML
     )
+    # The test user's own pull credentials, for pinning tags at submit (as the user).
+    local home
+    home=$(getent passwd "$TEST_USER" | cut -d: -f6)
+    install -d -o "$TEST_USER" -m 0700 "$home/.config" "$home/.config/tfimage"
+    (umask 077; cat >"$home/.config/tfimage/credentials.yaml" <<YML
+registries:
+  "$REGISTRY":
+    username: "$ROBOT"
+    password: "$(cat "$STATE/pki/robot.password")"
+YML
+    )
+    chown "$TEST_USER" "$home/.config/tfimage/credentials.yaml"
     printf '#!/bin/sh\nexec %s/bin/tfimage-prolog --config %s/config.yaml\n' "$PREFIX" "$t" >"$ETC/prolog"
     printf '#!/bin/sh\nexec %s/bin/tfimage-epilog --config %s/config.yaml\n' "$PREFIX" "$t" >"$ETC/epilog"
     chmod 0755 "$ETC/prolog" "$ETC/epilog"
@@ -288,6 +301,8 @@ CredType=cred/munge
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/spool/%n
 SlurmctldPidFile=$RUN/slurmctld.pid
+# Per node: slurmd kills whatever the pid file names, and both nodes share /run.
+SlurmdPidFile=$RUN/slurmd.%n.daemon.pid
 SlurmctldLogFile=$LOGS/slurmctld.log
 SlurmdLogFile=$LOGS/slurmd-%n.log
 SlurmctldDebug=info

@@ -118,14 +118,22 @@ def test_root_tasks_are_refused_with_a_message(cluster: Cluster, workdir: Path) 
     assert "refusing to run a container task as root" in r.stderr
 
 
-def test_missing_image_fails_job_with_reason_and_node_stays_up(
+def test_unknown_tag_is_rejected_at_submit(cluster: Cluster, workdir: Path) -> None:
+    before = cluster.job_ids()
+    r = cluster.run(["srun", "-N1", "--tf-image=no-such-image:1.0", "true"], cwd=workdir)
+    assert r.returncode != 0
+    assert "tfimage: submit:" in r.stderr and "not found" in r.stderr, r.stderr
+    assert cluster.job_ids() == before
+
+
+def test_image_that_cannot_be_pulled_fails_job_and_node_stays_up(
     cluster: Cluster, workdir: Path
 ) -> None:
-    r = cluster.run(
-        ["srun", "-N1", "-w", "n1", "--tf-image=no-such-image:1.0", "true"], cwd=workdir
-    )
+    # Already pinned, so submit asks no registry; the pull on the node then fails.
+    missing = "tiny@sha256:" + "0" * 64
+    r = cluster.run(["srun", "-N1", "-w", "n1", f"--tf-image={missing}", "true"], cwd=workdir)
     assert r.returncode != 0
-    assert "tfimage: prepare no-such-image:1.0" in r.stderr and "not found" in r.stderr
+    assert f"tfimage: prepare {missing}" in r.stderr and "not found" in r.stderr, r.stderr
     state = cluster.node_state("n1")
     for _ in range(150):
         if state != "completing":
