@@ -7,13 +7,8 @@
 # through a private sources list and unpacked with dpkg -x (nothing is installed).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-CACHE=${TFIMAGE_BUILD_CACHE:-/var/cache/tfimage-build}
-MIRROR=${TFIMAGE_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-case "$(. /etc/os-release && echo "$VERSION_CODENAME")" in
-    bookworm) OTHER=trixie ;;
-    trixie) OTHER=bookworm ;;
-    *) echo "build-other: unknown Debian release; set OTHER by hand" >&2; exit 2 ;;
-esac
+# shellcheck source=deploy/local/other-release.sh
+. "$HERE/../deploy/local/other-release.sh"
 DIR=$CACHE/slurm-headers-$OTHER
 if [ ! -f "$DIR/usr/include/slurm/spank.h" ]; then
     APT=$CACHE/apt-$OTHER

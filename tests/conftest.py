@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from support import Registry
+from support import Registry, build_sif
 
 
 def need(*tools: str) -> None:
@@ -39,44 +39,7 @@ def make_sif(tmp_path: Path) -> Callable[[dict[str, str]], Path]:
             p = root / rel
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(content)
-        sqfs = tmp_path / f"root{count}.sqfs"
-        sif = tmp_path / f"img{count}.sif"
-        subprocess.run(
-            [
-                "mksquashfs",
-                str(root),
-                str(sqfs),
-                "-all-root",
-                "-quiet",
-                "-noappend",
-                "-comp",
-                "lz4",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
-        subprocess.run(["siftool", "new", str(sif)], check=True, capture_output=True, timeout=30)
-        subprocess.run(
-            [
-                "siftool",
-                "add",
-                "--datatype",
-                "4",
-                "--parttype",
-                "1",
-                "--partfs",
-                "1",
-                "--partarch",
-                "2",
-                str(sif),
-                str(sqfs),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
-        return sif
+        return build_sif(root, tmp_path / f"img{count}.sif")
 
     return build
 

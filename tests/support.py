@@ -2,8 +2,34 @@
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+
+def build_sif(root: Path, sif: Path) -> Path:
+    """A real SIF of the directory tree ``root``: mksquashfs, then siftool."""
+    sqfs = sif.with_suffix(".sqfs")
+    for argv in (
+        ["mksquashfs", str(root), str(sqfs), "-all-root", "-quiet", "-noappend", "-comp", "lz4"],
+        ["siftool", "new", str(sif)],
+        [
+            "siftool",
+            "add",
+            "--datatype",
+            "4",
+            "--parttype",
+            "1",
+            "--partfs",
+            "1",
+            "--partarch",
+            "2",
+            str(sif),
+            str(sqfs),
+        ],
+    ):
+        subprocess.run(argv, check=True, capture_output=True, timeout=120)
+    return sif
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,17 @@ install_tfimage() {
     install -D -m 0755 "$STATE/spank-build/spank_tfimage.so" "$STATE/lib/spank_tfimage.so"
 }
 
+write_credentials() { # FILE OWNER: the robot account's credentials, mode 0600
+    (umask 077; cat >"$1" <<YML
+registries:
+  "$REGISTRY":
+    username: "$ROBOT"
+    password: "$(cat "$STATE/pki/robot.password")"
+YML
+    )
+    chown "$2" "$1"
+}
+
 write_configs() {
     local t=$ETC/tfimage
     mkdir -p "$t"
@@ -260,25 +271,12 @@ YML
     echo "site data" >"$STATE/data/README"
     chmod 0755 "$STATE/data"; chmod 0644 "$STATE/data/README"
     chmod 0644 "$t/config.yaml"
-    (umask 077; cat >"$t/credentials.yaml" <<YML
-registries:
-  "$REGISTRY":
-    username: "$ROBOT"
-    password: "$(cat "$STATE/pki/robot.password")"
-YML
-    )
+    write_credentials "$t/credentials.yaml" root
     # The test user's own pull credentials, for pinning tags at submit (as the user).
     local home
     home=$(getent passwd "$TEST_USER" | cut -d: -f6)
     install -d -o "$TEST_USER" -m 0700 "$home/.config" "$home/.config/tfimage"
-    (umask 077; cat >"$home/.config/tfimage/credentials.yaml" <<YML
-registries:
-  "$REGISTRY":
-    username: "$ROBOT"
-    password: "$(cat "$STATE/pki/robot.password")"
-YML
-    )
-    chown "$TEST_USER" "$home/.config/tfimage/credentials.yaml"
+    write_credentials "$home/.config/tfimage/credentials.yaml" "$TEST_USER"
     printf '#!/bin/sh\nexec %s/bin/tfimage-prolog --config %s/config.yaml\n' "$PREFIX" "$t" >"$ETC/prolog"
     printf '#!/bin/sh\nexec %s/bin/tfimage-epilog --config %s/config.yaml\n' "$PREFIX" "$t" >"$ETC/epilog"
     chmod 0755 "$ETC/prolog" "$ETC/epilog"

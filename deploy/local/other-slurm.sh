@@ -10,13 +10,8 @@
 #   other-slurm.sh install   (re)install tfimage and build the plugin in it
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
-CACHE=${TFIMAGE_BUILD_CACHE:-/var/cache/tfimage-build}
-MIRROR=${TFIMAGE_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-case "$(. /etc/os-release && echo "$VERSION_CODENAME")" in
-    bookworm) OTHER=trixie ;;
-    trixie) OTHER=bookworm ;;
-    *) echo "other-slurm: unknown Debian release" >&2; exit 2 ;;
-esac
+# shellcheck source=deploy/local/other-release.sh
+. "$REPO/deploy/local/other-release.sh"
 PKGS="slurmd,slurmctld,slurm-client,munge,libslurm-dev,gcc,libc6-dev,make,python3,python3-venv,charliecloud,squashfuse,fuse3,iproute2,procps,util-linux,ca-certificates"
 KEY=$(printf '%s\n' 1 "$OTHER" "$PKGS" | sha256sum | cut -c1-12)
 ROOT=$CACHE/chroot-$OTHER-$KEY

@@ -10,6 +10,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,7 +74,12 @@ class Cluster:
             return [line.split()[4] for line in f]
 
     def node_state(self, node: str) -> str:
-        r = self.run(["sinfo", "-h", "-n", node, "-o", "%T"], as_root=True, timeout=30)
+        """The node's state once a finished job has left it (30 s at most)."""
+        for _ in range(150):
+            r = self.run(["sinfo", "-h", "-n", node, "-o", "%T"], as_root=True, timeout=30)
+            if r.stdout.strip() != "completing":
+                break
+            time.sleep(0.2)
         return r.stdout.strip()
 
     def job_ids(self) -> set[str]:

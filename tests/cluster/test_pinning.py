@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import Cluster, write_script
 
+from support import build_sif
+
 pytestmark = pytest.mark.cluster
 
 
@@ -27,25 +29,7 @@ def busybox_sif(d: Path, marker: str) -> Path:
     (root / "etc" / "hosts").write_text("")
     (root / "etc" / "resolv.conf").write_text("")
     (root / "etc" / "tfimage-test-image").write_text(marker + "\n")
-    sqfs, sif = d / f"{marker}.sqfs", d / f"{marker}.sif"
-    run = lambda *a: subprocess.run(list(a), check=True, capture_output=True, timeout=120)  # noqa: E731
-    run("mksquashfs", str(root), str(sqfs), "-all-root", "-quiet", "-noappend", "-comp", "lz4")
-    run("siftool", "new", str(sif))
-    run(
-        "siftool",
-        "add",
-        "--datatype",
-        "4",
-        "--parttype",
-        "1",
-        "--partfs",
-        "1",
-        "--partarch",
-        "2",
-        str(sif),
-        str(sqfs),
-    )
-    return sif
+    return build_sif(root, d / f"{marker}.sif")
 
 
 def push(cluster: Cluster, sif: Path, ref: str) -> str:

@@ -135,11 +135,6 @@ def test_image_that_cannot_be_pulled_fails_job_and_node_stays_up(
     assert r.returncode != 0
     assert f"tfimage: prepare {missing}" in r.stderr and "not found" in r.stderr, r.stderr
     state = cluster.node_state("n1")
-    for _ in range(150):
-        if state != "completing":
-            break
-        time.sleep(0.2)
-        state = cluster.node_state("n1")
     assert state in ("idle", "mixed", "allocated"), state  # never drained
 
 
