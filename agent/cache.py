@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,7 +27,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tfimage.agent.config import Config
-from tfimage.agent.errors import CacheError, RegistryError, VerificationError
+from tfimage.agent.errors import (
+    CacheError,
+    RegistryError,
+    RegistryUnreachable,
+    VerificationError,
+)
 from tfimage.agent.reference import Reference
 from tfimage.agent.sif import has_magic
 
@@ -34,6 +40,7 @@ if TYPE_CHECKING:  # the registry client (and requests) load only when a pull ne
     from tfimage.agent.registry import RegistryClient
 
 Progress = Callable[[int, int], None]
+CHUNK = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,14 +147,25 @@ class ImageCache:
     ) -> None:
         tmp = self.root / "tmp" / f"{dest.stem}.partial"
         h = hashlib.sha256()
+        head = b""
         got = 0
         try:
-            fd = os.open(
-                tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
-            )
-            with os.fdopen(fd, "wb") as out:
-                head = b""
-                for chunk in client.blob_chunks(ref.repository, digest):
+            # A partial download left by an interrupted pull (a crash, a kill -9, a
+            # dropped connection) is resumed: hash what is there, Range for the rest.
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "r+b") as out:
+                if not stat.S_ISREG(os.fstat(out.fileno()).st_mode):
+                    raise CacheError(f"{tmp}: not a regular file")
+                while block := out.read(CHUNK):
+                    h.update(block)
+                    if len(head) < 64:
+                        head += block[: 64 - len(head)]
+                    got += len(block)
+                if got > size:
+                    out.seek(0)
+                    out.truncate()
+                    h, head, got = hashlib.sha256(), b"", 0
+                for chunk in client.blob_chunks(ref.repository, digest, offset=got, size=size):
                     got += len(chunk)
                     if got > size:
                         raise VerificationError(
@@ -160,7 +178,7 @@ class ImageCache:
                     if progress:
                         progress(got, size)
                 if got != size:
-                    raise VerificationError(f"{ref.name}: got {got} of {size} bytes")
+                    raise RegistryUnreachable(f"{ref.name}: got {got} of {size} bytes")
                 if "sha256:" + h.hexdigest() != digest:
                     raise VerificationError(f"{ref.name}: sha256 of the download does not match")
                 if not has_magic(head):
@@ -174,11 +192,13 @@ class ImageCache:
                 os.fsync(dirfd)
             finally:
                 os.close(dirfd)
+        except RegistryUnreachable:
+            raise  # keep the partial file: the next pull resumes it
         except OSError as e:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             raise CacheError(f"{self.root}: cannot store {ref.name}: {e.strerror}") from None
-        except (VerificationError, RegistryError):
+        except (VerificationError, RegistryError, CacheError):
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             raise

@@ -200,8 +200,15 @@ class RegistryClient:
         media = body.get("mediaType") or resp.headers.get("Content-Type", "")
         return Manifest(digest, str(media), raw, body)
 
-    def blob_chunks(self, repository: str, digest: str, offset: int = 0) -> Iterator[bytes]:
-        """Stream a blob; the caller verifies size and digest."""
+    def blob_chunks(
+        self, repository: str, digest: str, offset: int = 0, size: int | None = None
+    ) -> Iterator[bytes]:
+        """Stream a blob from ``offset`` (a Range request); the caller verifies the digest.
+
+        A registry that ignores the Range answers 200 with the whole blob: the first
+        ``offset`` bytes are then skipped here.  A Content-Length that disagrees with
+        ``size`` is refused before a byte is read.
+        """
         headers = {"Range": f"bytes={offset}-"} if offset else {}
         resp = self._send(
             "GET",
@@ -211,16 +218,29 @@ class RegistryClient:
             stream=True,
         )
         with resp:
-            expected = 206 if offset else 200
-            if resp.status_code != expected:
+            if resp.status_code not in ((200, 206) if offset else (200,)):
                 raise RegistryError(
                     f"{self.host}/{repository}: blob {digest[:19]} request failed "
                     f"({resp.status_code})"
                 )
+            start = offset if resp.status_code == 206 else 0
+            length = resp.headers.get("Content-Length", "")
+            if size is not None and length.isdigit() and start + int(length) != size:
+                raise VerificationError(
+                    f"{self.host}/{repository}: the registry sends {start + int(length)} bytes "
+                    f"for a blob the manifest says has {size}"
+                )
+            skip = offset - start
             try:
-                yield from resp.iter_content(CHUNK)
+                for chunk in resp.iter_content(CHUNK):
+                    if skip:
+                        cut = min(skip, len(chunk))
+                        chunk, skip = chunk[cut:], skip - cut
+                        if not chunk:
+                            continue
+                    yield chunk
             except requests.RequestException as e:
-                raise RegistryError(f"{self.host}: download broke off: {_short(e)}") from None
+                raise RegistryUnreachable(f"{self.host}: download broke off: {_short(e)}") from None
 
     # -- writing (admins and the local cluster push images with these) --------------
 

@@ -51,12 +51,15 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    need("docker-registry", "openssl", "htpasswd")
-    d = tmp_path_factory.mktemp("registry")
-    run = lambda *a: subprocess.run(list(a), check=True, capture_output=True, timeout=60)  # noqa: E731
-    run(
-        "openssl",
+def tls(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA made here and a server certificate for 127.0.0.1 (ca.crt, srv.crt, srv.key)."""
+    need("openssl")
+    d = tmp_path_factory.mktemp("tls")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    openssl(
         "req",
         "-x509",
         "-newkey",
@@ -75,8 +78,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
         "-addext",
         "keyUsage=critical,keyCertSign,cRLSign",
     )
-    run(
-        "openssl",
+    openssl(
         "req",
         "-newkey",
         "rsa:2048",
@@ -89,8 +91,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
         str(d / "srv.csr"),
     )
     (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
-    run(
-        "openssl",
+    openssl(
         "x509",
         "-req",
         "-in",
@@ -107,6 +108,14 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
         "-out",
         str(d / "srv.crt"),
     )
+    return d
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory: pytest.TempPathFactory, tls: Path) -> Iterator[Registry]:
+    need("docker-registry", "htpasswd")
+    d = tmp_path_factory.mktemp("registry")
+    run = lambda *a: subprocess.run(list(a), check=True, capture_output=True, timeout=60)  # noqa: E731
     user, password = "robot$library+test", "s3cret-pass"
     htp = run("htpasswd", "-Bbn", user, password).stdout.decode()
     (d / "htpasswd").write_text(htp)
@@ -115,7 +124,8 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     (d / "config.yml").write_text(
         "version: 0.1\nlog: {level: error}\n"
         f"storage: {{filesystem: {{rootdirectory: {d / 'data'}}}, delete: {{enabled: true}}}}\n"
-        f"http: {{addr: '{host}', tls: {{certificate: {d / 'srv.crt'}, key: {d / 'srv.key'}}}}}\n"
+        f"http: {{addr: '{host}', "
+        f"tls: {{certificate: {tls / 'srv.crt'}, key: {tls / 'srv.key'}}}}}\n"
         f"auth: {{htpasswd: {{realm: test, path: {d / 'htpasswd'}}}}}\n"
     )
     proc = subprocess.Popen(
@@ -128,7 +138,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
         while True:
             try:
                 code = requests.get(
-                    f"https://{host}/v2/", verify=str(d / "ca.crt"), timeout=1
+                    f"https://{host}/v2/", verify=str(tls / "ca.crt"), timeout=1
                 ).status_code
                 if code == 401:
                     break
@@ -137,7 +147,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"registry did not start: {(d / 'log').read_text()[-500:]}")
             time.sleep(0.1)
-        yield Registry(host, d / "ca.crt", user, password)
+        yield Registry(host, tls / "ca.crt", user, password)
     finally:
         proc.terminate()
         try:
