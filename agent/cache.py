@@ -50,6 +50,7 @@ class CachedImage:
     size: int
     hit: bool
     seconds: float
+    source: str | None = None  # the registry or mirror that served it (None: cache hit)
 
 
 def credentials_file(cfg: Config) -> Path | None:
@@ -124,17 +125,34 @@ class ImageCache:
             return CachedImage(ref, path, path.stat().st_size, True, time.monotonic() - started)
         from tfimage.agent.artifact import sif_layer
 
-        client = self._client_factory(ref.registry)
-        manifest = client.manifest(ref.repository, ref.version)
-        pinned = ref.pinned(manifest.digest)
-        path = self.path_of(manifest.digest)
-        with self._lock(manifest.digest):
-            hit = path.exists()
-            if not hit:
-                layer = sif_layer(manifest)
-                self._download(client, ref, layer.digest, layer.size, path, progress)
-            self._touch(pinned, manifest.digest)
-        return CachedImage(pinned, path, path.stat().st_size, hit, time.monotonic() - started)
+        last: RegistryUnreachable | None = None
+        for host in self.cfg.sources(ref):
+            client = self._client_factory(host)
+            try:
+                manifest = client.manifest(ref.repository, ref.version)
+                if ref.digest and manifest.digest != ref.digest:
+                    raise VerificationError(f"{host}: manifest digest mismatch")
+                pinned = ref.pinned(manifest.digest)
+                path = self.path_of(manifest.digest)
+                with self._lock(manifest.digest):
+                    hit = path.exists()
+                    if not hit:
+                        layer = sif_layer(manifest)
+                        self._download(client, ref, layer.digest, layer.size, path, progress)
+                    self._touch(pinned, manifest.digest)
+            except RegistryUnreachable as e:
+                last = e  # this one is down: the next mirror serves
+                continue
+            return CachedImage(
+                pinned,
+                path,
+                path.stat().st_size,
+                hit,
+                time.monotonic() - started,
+                None if hit else host,
+            )
+        assert last is not None
+        raise last
 
     def _download(
         self,

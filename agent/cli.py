@@ -145,9 +145,10 @@ def cmd_pull(args: argparse.Namespace) -> int:
             "path": str(got.path),
             "size": got.size,
             "hit": got.hit,
+            "source": got.source,
             "seconds": round(got.seconds, 3),
         },
-        f"{got.ref} {'(cached)' if got.hit else 'pulled'} -> {got.path}",
+        f"{got.ref} {'(cached)' if got.hit else f'pulled from {got.source}'} -> {got.path}",
     )
     return 0
 

@@ -49,6 +49,12 @@ class Config:
         """The admin's allowlist; by default the registry and its mirrors."""
         return self.allowed_registries or (self.registry, *self.mirrors)
 
+    def sources(self, ref: Reference) -> list[str]:
+        """Where to fetch ``ref``: its registry, then (for the site's) the mirrors, in order."""
+        if ref.registry == self.registry:
+            return [ref.registry, *(m for m in self.mirrors if m != ref.registry)]
+        return [ref.registry]
+
     def reference(self, text: str) -> Reference:
         """Parse ``text`` with this site's defaults and allowlist."""
         ref = parse_reference(text, self.registry, self.project)

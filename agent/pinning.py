@@ -50,6 +50,20 @@ def _save(path: Path, data: dict[str, str]) -> None:
         os.replace(tmp, path)
 
 
+def _first_answer(
+    cfg: Config, ref: Reference, client_factory: Callable[[str], RegistryClient]
+) -> str:
+    """The tag's digest from the first of the registry and its mirrors that answers."""
+    last: RegistryUnreachable | None = None
+    for host in cfg.sources(ref):
+        try:
+            return client_factory(host).manifest(ref.repository, ref.version).digest
+        except RegistryUnreachable as e:
+            last = e
+    assert last is not None
+    raise last
+
+
 def pin(
     cfg: Config,
     ref: Reference,
@@ -79,7 +93,7 @@ def pin(
     store = store or last_seen_file()
     key = str(ref.unpinned)
     try:
-        digest = client_factory(ref.registry).manifest(ref.repository, ref.version).digest
+        digest = _first_answer(cfg, ref, client_factory)
     except RegistryUnreachable as e:
         known = _load(store).get(key)
         if not known:

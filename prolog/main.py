@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "job %s: %s %s in %.2f s",
             job_id,
             got.ref,
-            "cache hit" if got.hit else "pulled",
+            "cache hit" if got.hit else f"pulled from {got.source}",
             got.seconds,
         )
     except TfimageError as e:

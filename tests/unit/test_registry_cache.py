@@ -134,3 +134,18 @@ def test_client_for_reads_site_credentials(registry: Registry, tmp_path: Path) -
     c = client_for(cfg, registry.host)
     with pytest.raises(RegistryError, match="not found"):
         c.manifest("library/none", "1")  # authenticated: 404, not 401
+
+
+def test_first_registry_down_the_mirror_serves(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    sif = make_sif({"etc/tfimage-test-image": "mirrored\n"})
+    digest = client(registry).push_sif("library/mirrored", "1", sif)
+    # The site's primary is down (nothing listens on port 1); the mirror has the image.
+    cfg_path = registry.write_site(tmp_path)
+    text = cfg_path.read_text().replace(f'registry: "{registry.host}"', 'registry: "127.0.0.1:1"')
+    cfg_path.write_text(text + f'mirrors: ["{registry.host}"]\nconnect_timeout: 1\n')
+    cfg = load_config(cfg_path)
+    got = ImageCache(cfg).ensure(cfg.reference("mirrored:1"))
+    assert (got.source, got.ref.digest, got.ref.registry) == (registry.host, digest, "127.0.0.1:1")
+    assert got.path.read_bytes() == sif.read_bytes()
