@@ -102,7 +102,7 @@ class ImageCache:
         return self.root / "images" / f"{_key(digest)}.sif"
 
     @contextlib.contextmanager
-    def _lock(self, digest: str) -> Iterator[None]:
+    def lock(self, digest: str) -> Iterator[None]:
         fd = os.open(
             self.root / "locks" / f"{_key(digest)}.lock",
             os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
@@ -114,14 +114,20 @@ class ImageCache:
         finally:
             os.close(fd)
 
-    def ensure(self, ref: Reference, progress: Progress | None = None) -> CachedImage:
-        """Make sure the image ``ref`` names is in the cache; return it pinned."""
+    def ensure(
+        self, ref: Reference, progress: Progress | None = None, job: str | None = None
+    ) -> CachedImage:
+        """Make sure the image ``ref`` names is in the cache; return it pinned.
+
+        ``job`` (the prolog's and the steps') becomes a holder: eviction never takes
+        an image a running job holds.
+        """
         started = time.monotonic()
         self._dirs()
         if ref.digest and self.path_of(ref.digest).exists():
             # Pinned and present: no registry round trip, not even an import.
             path = self.path_of(ref.digest)
-            self._touch(ref, ref.digest)
+            self._touch(ref, ref.digest, job=job)
             return CachedImage(ref, path, path.stat().st_size, True, time.monotonic() - started)
         from tfimage.agent.artifact import sif_layer
 
@@ -134,12 +140,14 @@ class ImageCache:
                     raise VerificationError(f"{host}: manifest digest mismatch")
                 pinned = ref.pinned(manifest.digest)
                 path = self.path_of(manifest.digest)
-                with self._lock(manifest.digest):
+                blob = None
+                with self.lock(manifest.digest):
                     hit = path.exists()
                     if not hit:
                         layer = sif_layer(manifest)
                         self._download(client, ref, layer.digest, layer.size, path, progress)
-                    self._touch(pinned, manifest.digest)
+                        blob = layer.digest
+                self._touch(pinned, manifest.digest, job=job, blob=blob)
             except RegistryUnreachable as e:
                 last = e  # this one is down: the next mirror serves
                 continue
@@ -221,28 +229,69 @@ class ImageCache:
                 tmp.unlink()
             raise
 
-    def _touch(self, ref: Reference, digest: str) -> None:
-        meta_path = self.root / "images" / f"{_key(digest)}.json"
-        now = time.time()
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (FileNotFoundError, ValueError):
-            meta = {"digest": digest, "refs": [], "created": now}
+    def _touch(
+        self, ref: Reference, digest: str, *, job: str | None = None, blob: str | None = None
+    ) -> None:
+        """Record a use: the ref, last_used, and the job now holding the entry."""
         name = f"{ref.name}:{ref.tag}" if ref.tag else ref.name
-        if name not in meta["refs"]:
-            meta["refs"].append(name)
-        meta["last_used"] = now
-        meta["size"] = self.path_of(digest).stat().st_size
-        # Several steps may touch one entry at once: each writes its own temp file,
-        # and the last rename wins (last_used is advisory, for eviction).
-        tmp = meta_path.with_suffix(f".json.{os.getpid()}.tmp")
+
+        def change(meta: dict[str, Any]) -> None:
+            if name not in meta["refs"]:
+                meta["refs"].append(name)
+            meta["last_used"] = time.time()
+            meta["size"] = self.path_of(digest).stat().st_size
+            if blob:
+                meta["blob"] = blob
+            if job and job not in meta["holders"]:
+                meta["holders"].append(job)
+
+        self.update_meta(digest, change)
+
+    def meta_path(self, digest: str) -> Path:
+        return self.root / "images" / f"{_key(digest)}.json"
+
+    def read_meta(self, digest: str) -> dict[str, Any]:
         try:
-            tmp.write_text(json.dumps(meta, sort_keys=True))
-            os.replace(tmp, meta_path)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise CacheError(f"{self.root}: cannot record use of {digest[:19]}: {e}") from None
+            meta = json.loads(self.meta_path(digest).read_text())
+        except (FileNotFoundError, ValueError):
+            meta = {}
+        base: dict[str, Any] = {
+            "digest": digest,
+            "refs": [],
+            "created": time.time(),
+            "last_used": 0.0,
+            "size": 0,
+            "pinned": False,
+            "holders": [],
+        }
+        return {**base, **meta} if isinstance(meta, dict) else base
+
+    def update_meta(self, digest: str, change: Callable[[dict[str, Any]], None]) -> None:
+        """Read, change and atomically replace an entry's metadata, under its lock."""
+        with self.lock(digest):
+            meta = self.read_meta(digest)
+            change(meta)
+            path = self.meta_path(digest)
+            tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
+            try:
+                tmp.write_text(json.dumps(meta, sort_keys=True))
+                os.replace(tmp, path)
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise CacheError(f"{self.root}: cannot record {digest[:19]}: {e}") from None
+
+    def release(self, job: str) -> list[str]:
+        """The epilog: ``job`` no longer holds any entry.  Returns the digests it held."""
+        released = []
+        for meta in self.entries():
+            if job in meta.get("holders", []):
+                self.update_meta(
+                    meta["digest"],
+                    lambda m: m.__setitem__("holders", [h for h in m["holders"] if h != job]),
+                )
+                released.append(meta["digest"])
+        return released
 
     def entries(self) -> list[dict[str, Any]]:
         out = []

@@ -166,21 +166,6 @@ def cmd_push(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_cache_ls(args: argparse.Namespace) -> int:
-    from tfimage.agent.cache import ImageCache
-
-    entries = ImageCache(_config(args)).entries()
-    if args.json:
-        print(json.dumps(entries, sort_keys=True))
-        return 0
-    print(f"{'DIGEST':<19}  {'SIZE':>9}  {'LAST USED':<19}  REFS")
-    for e in entries:
-        used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e.get("last_used", 0))))
-        size = f"{int(e.get('size', 0)) / (1 << 20):.1f}M"
-        print(f"{str(e['digest'])[:19]:<19}  {size:>9}  {used:<19}  {', '.join(e['refs'])}")
-    return 0
-
-
 def cmd_step_prepare(args: argparse.Namespace) -> int:
     from tfimage.agent.step import LAYOUT_VARS, StepRequest, plan_step
 
@@ -269,11 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--json", action="store_true", help="machine-readable output")
     ps.set_defaults(func=cmd_push)
 
-    c = sub.add_parser("cache", help="inspect the node cache")
-    csub = c.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
-    ls = csub.add_parser("ls", help="list cached images")
-    ls.add_argument("--json", action="store_true", help="machine-readable output")
-    ls.set_defaults(func=cmd_cache_ls)
+    from tfimage.agent.cli_cache import register
+
+    register(sub, cmd_pull)
 
     sp = sub.add_parser(
         "step-prepare", help="(plugin helper, root) ready the image for a step, print its argv"

@@ -42,6 +42,13 @@ class Config:
     # Set in every task where the user has not set them; TF wants exactly "true".
     site_env: dict[str, str] = field(default_factory=lambda: {"TF_FORCE_GPU_ALLOW_GROWTH": "true"})
     tf_port_range: tuple[int, int] = (29000, 29999)
+    # Eviction: from the high watermark down to the low one, as a percentage of
+    # cache_max_bytes when set, else of the cache filesystem; never younger than
+    # cache_min_age seconds since last use.
+    cache_max_bytes: int | None = None
+    cache_high_watermark: float = 85.0
+    cache_low_watermark: float = 80.0
+    cache_min_age: float = 3600.0
     single_task_tf_config: bool = False
 
     @property
@@ -63,7 +70,14 @@ class Config:
 
 
 _TUPLES = {"mirrors", "allowed_registries", "default_mounts", "mount_prefixes"}
-_FLOATS = {"connect_timeout", "read_timeout", "hook_deadline"}
+_FLOATS = {
+    "connect_timeout",
+    "read_timeout",
+    "hook_deadline",
+    "cache_high_watermark",
+    "cache_low_watermark",
+    "cache_min_age",
+}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
@@ -84,6 +98,12 @@ def _coerce(key: str, value: Any, path: Path) -> Any:
         ):
             raise ConfigError(f"{path}: 'tf_port_range' must be [low, high] within 1024-65535")
         return (value[0], value[1])
+    if key == "cache_max_bytes":
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value <= 0
+        ):
+            raise ConfigError(f"{path}: 'cache_max_bytes' must be a positive integer")
+        return value
     if key == "single_task_tf_config":
         if not isinstance(value, bool):
             raise ConfigError(f"{path}: 'single_task_tf_config' must be true or false")
@@ -110,6 +130,8 @@ def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Conf
     cfg = Config(**values)
     if cfg.runtime not in RUNTIMES:
         raise ConfigError(f"{path}: runtime must be one of {', '.join(RUNTIMES)}")
+    if not 0 < cfg.cache_low_watermark <= cfg.cache_high_watermark <= 100:
+        raise ConfigError(f"{path}: watermarks need 0 < low <= high <= 100")
     for key in ("cache_dir", "state_dir"):
         if not str(getattr(cfg, key)).startswith("/"):
             raise ConfigError(f"{path}: '{key}' must be an absolute path")

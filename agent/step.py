@@ -116,7 +116,7 @@ def prepare_job(
     known = _pinned_for_job(cfg, job_id, key)
     if known and not ref.digest:
         ref = cfg.reference(known)  # what the job was pinned to, not what the tag is now
-    cached = (cache or ImageCache(cfg)).ensure(ref)
+    cached = (cache or ImageCache(cfg)).ensure(ref, job=job_id)
     if not known:
         with mounts.job_lock(cfg.state_dir, job_id):
             _remember(cfg, job_id, key, str(cached.ref))

@@ -11,6 +11,7 @@ import re
 import sys
 from collections.abc import Sequence
 
+from tfimage.agent.cache import ImageCache
 from tfimage.agent.config import DEFAULT_PATH, load_config
 from tfimage.agent.errors import TfimageError
 from tfimage.agent.hooklog import hook_logger
@@ -30,6 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         stuck = release_job(cfg.state_dir, job_id)
+        ImageCache(cfg).release(job_id)
     except TfimageError as e:
         log.error("job %s: cleanup: %s", job_id, e)
         return 0

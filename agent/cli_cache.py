@@ -1,0 +1,221 @@
+"""``tfimage cache ...``: the operator's view of one node's image cache.
+
+Exit codes as for ``tfimage``; ``verify`` exits 1 when an entry is bad, ``warm``
+when a pinned image could not be fetched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tfimage.agent.cache import ImageCache
+from tfimage.agent.config import Config, load_config
+from tfimage.agent.errors import CacheError, TfimageError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _cache(args: argparse.Namespace) -> ImageCache:
+    return ImageCache(load_config(args.config))
+
+
+def _pins_file(cache: ImageCache) -> Path:
+    return cache.root / "pins.json"
+
+
+def _pins(cache: ImageCache) -> list[str]:
+    try:
+        pins = json.loads(_pins_file(cache).read_text())
+    except (OSError, ValueError):
+        return []
+    return [p for p in pins if isinstance(p, str)] if isinstance(pins, list) else []
+
+
+def _save_pins(cache: ImageCache, pins: list[str]) -> None:
+    path = _pins_file(cache)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(sorted(set(pins))))
+    tmp.replace(path)
+
+
+def _digest_of(cache: ImageCache, cfg: Config, what: str) -> str:
+    """A cached entry named by digest (or a unique prefix of one) or by reference."""
+    entries = cache.entries()
+    if what.startswith("sha256:"):
+        hits = [e["digest"] for e in entries if e["digest"].startswith(what)]
+    else:
+        ref = cfg.reference(what)
+        if ref.digest:
+            hits = [ref.digest] if cache.path_of(ref.digest).exists() else []
+        else:
+            name = f"{ref.name}:{ref.tag}"
+            hits = [e["digest"] for e in entries if name in e.get("refs", [])]
+    if len(hits) != 1:
+        raise CacheError(f"{what!r} names {'no' if not hits else 'more than one'} cached image")
+    return str(hits[0])
+
+
+def _out(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, sort_keys=True) if args.json else text)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    entries = _cache(args).entries()
+    if args.json:
+        print(json.dumps(entries, sort_keys=True))
+        return 0
+    print(f"{'DIGEST':<19}  {'SIZE':>9}  {'LAST USED':<19}  {'PIN':<3}  {'HELD BY':<10}  REFS")
+    for e in sorted(entries, key=lambda e: -float(e.get("last_used", 0))):
+        used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e.get("last_used", 0))))
+        size = f"{int(e.get('size', 0)) / (1 << 20):.1f}M"
+        held = ",".join(e.get("holders", [])) or "-"
+        pin = "yes" if e.get("pinned") else "-"
+        print(
+            f"{str(e['digest'])[:19]:<19}  {size:>9}  {used:<19}  {pin:<3}  {held:<10}  "
+            f"{', '.join(e.get('refs', []))}"
+        )
+    return 0
+
+
+def cmd_du(args: argparse.Namespace) -> int:
+    from tfimage.agent.evict import usage
+
+    cache = _cache(args)
+    u = usage(cache)
+    cfg = cache.cfg
+    data = {
+        "cache_bytes": u.cache_bytes,
+        "entries": u.entries,
+        "limit_bytes": u.limit_bytes,
+        "used_percent": round(u.percent, 2),
+        "high_watermark": cfg.cache_high_watermark,
+        "low_watermark": cfg.cache_low_watermark,
+    }
+    _out(
+        args,
+        data,
+        f"{u.cache_bytes / (1 << 20):.1f} MiB in {u.entries} image(s); "
+        f"{u.percent:.1f}% of {u.limit_bytes / (1 << 30):.1f} GiB used "
+        f"(prune starts at {cfg.cache_high_watermark:g}%, "
+        f"stops at {cfg.cache_low_watermark:g}%)",
+    )
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from tfimage.agent.evict import remove
+
+    cache = _cache(args)
+    digest = _digest_of(cache, cache.cfg, args.image)
+    remove(cache, digest, force=args.force)
+    _out(args, {"removed": digest}, f"removed {digest}")
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from tfimage.agent.evict import prune
+
+    gone = prune(_cache(args), dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    _out(
+        args,
+        {"dry_run": args.dry_run, "removed": [g["digest"] for g in gone]},
+        "\n".join(f"{verb} {g['digest']} ({', '.join(g.get('refs', []))})" for g in gone)
+        or "nothing to prune",
+    )
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from tfimage.agent.evict import verify
+
+    bad = verify(_cache(args))
+    _out(
+        args,
+        [{"digest": d, "problem": p} for d, p in bad],
+        "\n".join(f"BAD {d}: {p}" for d, p in bad) or "all cached images verified",
+    )
+    return 1 if bad else 0
+
+
+def _pin(args: argparse.Namespace, pinned: bool) -> int:
+    from tfimage.agent.evict import set_pinned
+
+    cache = _cache(args)
+    cfg = cache.cfg
+    ref = cfg.reference(args.image)
+    pins = _pins(cache)
+    if pinned:
+        got = cache.ensure(ref)
+        assert got.ref.digest
+        set_pinned(cache, got.ref.digest, True)
+        _save_pins(cache, [*pins, str(ref)])
+        _out(args, {"pinned": str(got.ref)}, f"pinned {got.ref}")
+        return 0
+    digest = _digest_of(cache, cfg, args.image)
+    set_pinned(cache, digest, False)
+    _save_pins(cache, [p for p in pins if p != str(ref)])
+    _out(args, {"unpinned": digest}, f"unpinned {digest}")
+    return 0
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    """For a timer: fetch every pinned image (a moved tag brings its new bytes)."""
+    from tfimage.agent.evict import set_pinned
+
+    cache = _cache(args)
+    failed = 0
+    rows = []
+    for text in _pins(cache):
+        try:
+            got = cache.ensure(cache.cfg.reference(text))
+            assert got.ref.digest
+            set_pinned(cache, got.ref.digest, True)
+            rows.append({"ref": text, "digest": got.ref.digest, "hit": got.hit})
+        except TfimageError as e:
+            failed += 1
+            rows.append({"ref": text, "error": str(e)})
+            print(f"tfimage: warm {text}: {e}", file=sys.stderr)
+    _out(
+        args,
+        rows,
+        "\n".join(
+            f"{r['ref']}: {'cached' if r.get('hit') else 'fetched'} {r['digest']}"
+            for r in rows
+            if "digest" in r
+        )
+        or "no pinned images",
+    )
+    return 1 if failed else 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], pull: Handler) -> None:
+    c = sub.add_parser("cache", help="inspect and manage this node's image cache")
+    csub = c.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+
+    def add(name: str, handler: Handler, help_: str) -> argparse.ArgumentParser:
+        p = csub.add_parser(name, help=help_, description=help_)
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(func=handler)
+        return p
+
+    add("ls", cmd_ls, "list cached images: size, last use, pin, holding jobs, refs")
+    add("pull", pull, "pull an image into the cache").add_argument("ref")
+    rm = add("rm", cmd_rm, "remove an image (never one a running job holds)")
+    rm.add_argument("image", help="reference, digest or unique digest prefix")
+    rm.add_argument("--force", action="store_true", help="remove even if pinned")
+    pr = add("prune", cmd_prune, "evict least recently used images down to the low watermark")
+    pr.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
+    add(
+        "pin", lambda a: _pin(a, True), "pull an image and keep it (never evicted, kept warm)"
+    ).add_argument("image")
+    add("unpin", lambda a: _pin(a, False), "let an image be evicted again").add_argument("image")
+    add("verify", cmd_verify, "re-check every image's sha256 and SIF magic")
+    add("du", cmd_du, "cache size and filesystem usage against the watermarks")
+    add("warm", cmd_warm, "fetch every pinned image (for a timer or cron)")

@@ -1,0 +1,137 @@
+"""Eviction and the operator's cache maintenance: usage, prune, verify, pins.
+
+Prune starts at the high watermark and stops at the low one, least recently used
+first.  It never takes a pinned entry, one a running job holds, or one used more
+recently than the minimum age.  A holder whose job has left this node (its state
+under ``state_dir/jobs`` is gone, e.g. after a crash or a reboot) is reclaimed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tfimage.agent.cache import CHUNK, ImageCache
+from tfimage.agent.errors import CacheError
+from tfimage.agent.sif import has_magic
+
+
+@dataclass(frozen=True)
+class Usage:
+    cache_bytes: int
+    entries: int
+    limit_bytes: int  # what the watermarks are percentages of
+    used_bytes: int  # what counts against the limit
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.used_bytes / self.limit_bytes if self.limit_bytes else 0.0
+
+
+def usage(cache: ImageCache) -> Usage:
+    entries = cache.entries()
+    size = sum(int(e.get("size", 0)) for e in entries)
+    if cache.cfg.cache_max_bytes:
+        return Usage(size, len(entries), cache.cfg.cache_max_bytes, size)
+    st = os.statvfs(cache.root)
+    total = st.f_blocks * st.f_frsize
+    return Usage(size, len(entries), total, total - st.f_bavail * st.f_frsize)
+
+
+def live_job(cache: ImageCache, job: str) -> bool:
+    return (Path(cache.cfg.state_dir) / "jobs" / f"{job}.images.json").exists()
+
+
+def reclaim_holders(cache: ImageCache) -> int:
+    """Drop holders whose jobs are gone from this node; returns how many."""
+    dropped = 0
+    for meta in cache.entries():
+        stale = {h for h in meta.get("holders", []) if not live_job(cache, h)}
+        if stale:
+            dropped += len(stale)
+
+            def drop(m: dict[str, Any], stale: set[str] = stale) -> None:
+                m["holders"] = [h for h in m["holders"] if h not in stale]
+
+            cache.update_meta(meta["digest"], drop)
+    return dropped
+
+
+def remove(cache: ImageCache, digest: str, *, force: bool = False) -> None:
+    """Remove one entry; refuses one a running job holds, and a pinned one unless forced."""
+    with cache.lock(digest):
+        meta = cache.read_meta(digest)
+        if not cache.path_of(digest).exists():
+            raise CacheError(f"{digest[:19]} is not in the cache")
+        holders = [h for h in meta.get("holders", []) if live_job(cache, h)]
+        if holders:
+            raise CacheError(f"{digest[:19]} is held by running job(s) {', '.join(holders)}")
+        if meta.get("pinned") and not force:
+            raise CacheError(f"{digest[:19]} is pinned; unpin it or use --force")
+        # Unlinking is safe even while mounted: a reader keeps its open file.
+        cache.path_of(digest).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            cache.meta_path(digest).unlink()
+
+
+def prune(
+    cache: ImageCache, *, dry_run: bool = False, now: float | None = None
+) -> list[dict[str, Any]]:
+    """Evict down to the low watermark if above the high one; returns what went."""
+    cfg = cache.cfg
+    reclaim_holders(cache)
+    u = usage(cache)
+    if u.percent < cfg.cache_high_watermark:
+        return []
+    target = cfg.cache_low_watermark * u.limit_bytes / 100.0
+    now = time.time() if now is None else now
+    gone: list[dict[str, Any]] = []
+    used = u.used_bytes
+    for meta in sorted(cache.entries(), key=lambda m: float(m.get("last_used", 0))):
+        if used <= target:
+            break
+        if meta.get("pinned") or any(live_job(cache, h) for h in meta.get("holders", [])):
+            continue
+        if now - float(meta.get("last_used", 0)) < cfg.cache_min_age:
+            continue
+        if not dry_run:
+            try:
+                remove(cache, meta["digest"])
+            except CacheError:
+                continue  # held or pinned since we looked
+        used -= int(meta.get("size", 0))
+        gone.append(meta)
+    return gone
+
+
+def verify(cache: ImageCache) -> list[tuple[str, str]]:
+    """Re-hash every entry; returns (digest, problem) for each bad one."""
+    bad = []
+    for meta in cache.entries():
+        path = cache.path_of(meta["digest"])
+        try:
+            h = hashlib.sha256()
+            with path.open("rb") as f:
+                head = f.read(64)
+                h.update(head)
+                while block := f.read(CHUNK):
+                    h.update(block)
+        except OSError as e:
+            bad.append((meta["digest"], f"unreadable: {e.strerror}"))
+            continue
+        if not has_magic(head):
+            bad.append((meta["digest"], "not a SIF file"))
+        elif meta.get("blob") and "sha256:" + h.hexdigest() != meta["blob"]:
+            bad.append((meta["digest"], "content does not match its sha256"))
+    return bad
+
+
+def set_pinned(cache: ImageCache, digest: str, pinned: bool) -> None:
+    if not cache.path_of(digest).exists():
+        raise CacheError(f"{digest[:19]} is not in the cache")
+    cache.update_meta(digest, lambda m: m.__setitem__("pinned", pinned))

@@ -1,0 +1,161 @@
+"""Eviction, holders, pins, verify and warm on a real cache fed by a real registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from support import Registry
+from tfimage.agent.cache import ImageCache
+from tfimage.agent.config import load_config
+from tfimage.agent.credentials import Credential
+from tfimage.agent.errors import CacheError
+from tfimage.agent.evict import prune, remove, set_pinned, usage, verify
+from tfimage.agent.registry import RegistryClient
+
+DAY = 86400.0
+
+
+@pytest.fixture
+def filled(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> tuple[ImageCache, dict[str, str], Path]:
+    """Images a, b, c, d in a cache, each used a day ago or more (a the longest)."""
+    up = RegistryClient(
+        registry.host, Credential(registry.username, registry.password), ca_bundle=str(registry.ca)
+    )
+    cfg_path = registry.write_site(tmp_path)
+    cache = ImageCache(load_config(cfg_path))
+    digests = {}
+    for i, name in enumerate("abcd"):
+        up.push_sif(f"library/ev{name}", "1", make_sif({"f": os.urandom(30000).hex() + name}))
+        got = cache.ensure(cache.cfg.reference(f"ev{name}:1"))
+        assert got.ref.digest
+        digests[name] = got.ref.digest
+        used = time.time() - (10 - i) * DAY
+        cache.update_meta(got.ref.digest, lambda m, t=used: m.__setitem__("last_used", t))
+    return cache, digests, cfg_path
+
+
+def limited(cfg_path: Path, cache: ImageCache, fraction: float) -> ImageCache:
+    """The same cache with a size limit that puts it at ``fraction`` full."""
+    total = usage(cache).cache_bytes
+    cfg_path.write_text(cfg_path.read_text() + f"cache_max_bytes: {int(total / fraction)}\n")
+    return ImageCache(load_config(cfg_path))
+
+
+def hold(cache: ImageCache, digest: str, job: str, live: bool) -> None:
+    cache.update_meta(digest, lambda m: m["holders"].append(job))
+    if live:  # what the prolog leaves for a running job on this node
+        jobs = Path(cache.cfg.state_dir) / "jobs"
+        jobs.mkdir(parents=True, exist_ok=True)
+        (jobs / f"{job}.images.json").write_text("{}")
+
+
+def test_prune_lru_never_pinned_held_or_young(
+    filled: tuple[ImageCache, dict[str, str], Path],
+) -> None:
+    cache, d, cfg_path = filled
+    cache = limited(cfg_path, cache, 0.95)  # above the 85% high watermark
+    set_pinned(cache, d["a"], True)  # oldest, but pinned
+    hold(cache, d["b"], "77", live=True)  # next oldest, held by a running job
+    cache.update_meta(d["d"], lambda m: m.__setitem__("last_used", time.time()))  # young
+    gone = [g["digest"] for g in prune(cache)]
+    assert gone == [d["c"]]  # 95% -> ~71% after one of four: stops under 80%
+    assert {e["digest"] for e in cache.entries()} == {d["a"], d["b"], d["d"]}
+    assert not cache.path_of(d["c"]).exists()
+
+
+def test_below_high_watermark_nothing_goes(filled: tuple[ImageCache, dict[str, str], Path]) -> None:
+    cache, _, cfg_path = filled
+    assert prune(limited(cfg_path, cache, 0.84)) == []
+
+
+def test_stale_holder_is_reclaimed(filled: tuple[ImageCache, dict[str, str], Path]) -> None:
+    cache, d, cfg_path = filled
+    cache = limited(cfg_path, cache, 0.95)
+    hold(cache, d["a"], "99", live=False)  # its job crashed away: no state left
+    assert [g["digest"] for g in prune(cache)] == [d["a"]]
+
+
+def test_rm_refuses_held_and_pinned(filled: tuple[ImageCache, dict[str, str], Path]) -> None:
+    cache, d, _ = filled
+    hold(cache, d["a"], "5", live=True)
+    with pytest.raises(CacheError, match="held by running job"):
+        remove(cache, d["a"])
+    set_pinned(cache, d["b"], True)
+    with pytest.raises(CacheError, match="pinned"):
+        remove(cache, d["b"])
+    remove(cache, d["b"], force=True)
+    assert not cache.path_of(d["b"]).exists()
+
+
+def test_release_drops_the_jobs_holds(filled: tuple[ImageCache, dict[str, str], Path]) -> None:
+    cache, d, _ = filled
+    hold(cache, d["a"], "8", live=True)
+    assert cache.release("8") == [d["a"]]
+    assert cache.read_meta(d["a"])["holders"] == []
+
+
+def test_verify_finds_a_corrupted_image(filled: tuple[ImageCache, dict[str, str], Path]) -> None:
+    cache, d, cfg_path = filled
+    assert verify(cache) == []
+    path = cache.path_of(d["c"])
+    path.chmod(0o644)
+    with path.open("r+b") as f:
+        f.seek(-10, 2)
+        f.write(b"corrupted!")
+    assert verify(cache) == [(d["c"], "content does not match its sha256")]
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfimage.agent.cli",
+            "--config",
+            str(cfg_path),
+            "cache",
+            "verify",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cli.returncode == 1
+    assert json.loads(cli.stdout) == [
+        {"digest": d["c"], "problem": "content does not match its sha256"}
+    ]
+
+
+def test_pin_and_warm_follow_a_moved_tag(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    up = RegistryClient(
+        registry.host, Credential(registry.username, registry.password), ca_bundle=str(registry.ca)
+    )
+    cfg = registry.write_site(tmp_path)
+    up.push_sif("library/warm", "1", make_sif({"v": "1"}))
+
+    def tfimage(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tfimage.agent.cli", "--config", str(cfg), "cache", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    assert tfimage("pin", "warm:1").returncode == 0
+    new = up.push_sif("library/warm", "1", make_sif({"v": "2"}))
+    r = tfimage("warm", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)[0]["digest"] == new
+    entries = json.loads(tfimage("ls", "--json").stdout)
+    assert {e["digest"]: e["pinned"] for e in entries}[new] is True
+    assert len(entries) == 2  # the old bytes stay, pinned too, until unpinned
