@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import re
@@ -138,16 +139,34 @@ def test_image_that_cannot_be_pulled_fails_job_and_node_stays_up(
     assert state in ("idle", "mixed", "allocated"), state  # never drained
 
 
-def test_epilog_leaves_no_mounts(cluster: Cluster, workdir: Path) -> None:
-    r = cluster.run(["srun", "-N2", "--tf-image=tiny:1.0", "true"], cwd=workdir)
+def test_epilog_leaves_no_mounts_and_no_holds(cluster: Cluster, workdir: Path) -> None:
+    r = cluster.run(
+        [
+            "srun",
+            "-N2",
+            "--tf-image=tiny:1.0",
+            "sh",
+            "-c",
+            'echo "$SLURM_JOB_ID $(ls /run 2>/dev/null | wc -l)"',
+        ],
+        cwd=workdir,
+    )
     assert r.returncode == 0, r.stderr
+    job = r.stdout.split()[0]
     for node in ("n1", "n2"):
+        cache = cluster.state / "nodes" / node / "cache" / "images"
         for _ in range(50):
             left = [m for m in cluster.node_mounts(node) if m.startswith("/run/tfimage/jobs/")]
-            if not left:
+            held = [
+                p.name
+                for p in cache.glob("*.json")
+                if job in json.loads(p.read_text()).get("holders", [])
+            ]
+            if not left and not held:
                 break
             time.sleep(0.2)
         assert left == [], f"{node} still has {left}"
+        assert held == [], f"job {job} still holds {held} on {node}"
 
 
 def test_tensorflow_job_prints_version_on_both_nodes(cluster: Cluster, workdir: Path) -> None:
