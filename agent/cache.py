@@ -19,7 +19,9 @@ import fcntl
 import hashlib
 import json
 import os
+import queue
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,6 +66,35 @@ def credentials_file(cfg: Config) -> Path | None:
         if candidate.exists():
             return candidate
     return None  # anonymous pulls
+
+
+def prefetch(chunks: Iterator[bytes], depth: int = 4) -> Iterator[bytes]:
+    """Read ahead in a thread, so the network and the hash-and-write overlap
+    (socket reads, sha256 and file writes all release the GIL)."""
+    q: queue.Queue[bytes | BaseException | None] = queue.Queue(depth)
+    stop = threading.Event()
+
+    def pump() -> None:
+        try:
+            for c in chunks:
+                if stop.is_set():
+                    return
+                q.put(c)
+            q.put(None)
+        except BaseException as e:  # handed to the consumer, raised there
+            q.put(e)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        while (item := q.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        with contextlib.suppress(queue.Empty):
+            while True:  # unblock a producer waiting on a full queue
+                q.get_nowait()
 
 
 def client_for(cfg: Config, host: str) -> RegistryClient:
@@ -191,7 +222,8 @@ class ImageCache:
                     out.seek(0)
                     out.truncate()
                     h, head, got = hashlib.sha256(), b"", 0
-                for chunk in client.blob_chunks(ref.repository, digest, offset=got, size=size):
+                chunks = client.blob_chunks(ref.repository, digest, offset=got, size=size)
+                for chunk in prefetch(chunks):
                     got += len(chunk)
                     if got > size:
                         raise VerificationError(

@@ -1,6 +1,9 @@
 """tfimage benchmarks: one command, ratios against baselines measured in the same run.
 
-    python bench/run.py [--runs N]
+    python bench/run.py [all|launch|pull] [--runs N]
+
+- pull: see bench/pull.py (verified pull against curl and oras-py, 16 at once,
+  warm hits, cache ls over 10,000 entries).
 
 - launch: added cost of --tf-image on a step with a warm cache,
   `srun -N2 -n4 --tf-image=tiny:1.0 /bin/sh -c true` against the same srun without it,
@@ -58,9 +61,19 @@ def timed(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("what", nargs="?", choices=("all", "launch", "pull"), default="all")
+    ap.add_argument("--runs", type=int, default=0, help="runs per measurement")
     args = ap.parse_args()
     env = cluster_env()
+    if args.what in ("all", "pull"):
+        import pull
+
+        pull.main(env, args.runs or 5)
+    if args.what in ("all", "launch"):
+        launch(env, args.runs or 15)
+
+
+def launch(env: dict[str, str], runs: int) -> None:
     user = env["TFIMAGE_TEST_USER"]
     cwd = pwd.getpwnam(user).pw_dir
     # Warm the cache and the mounts path once, untimed.
@@ -78,7 +91,7 @@ def main() -> None:
     ]
     # Interleave the two srun variants so drift on a noisy machine hits both alike.
     samples: dict[str, list[float]] = {name: [] for name, _, _ in order}
-    for _ in range(args.runs):
+    for _ in range(runs):
         for name, argv, who in order:
             samples[name] += timed(argv, env, 1, who, cwd if who else None)
     for name, vals in samples.items():

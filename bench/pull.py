@@ -1,0 +1,180 @@
+"""Pull benchmarks (issue: node cache): run by `python bench/run.py pull`.
+
+- cold, verified pull of the ~1 GiB tf-custom SIF from the local registry (sha256,
+  size and magic checked, fsynced, published) against raw `curl -o` of the same blob
+  (no verification: the transfer limit) and oras-py's `Registry.pull()`, interleaved,
+  medians; peak RSS of each;
+- 16 concurrent pulls of one uncached image into one cache: downloads and wall time
+  against one pull;
+- warm hit: `ensure` of a cached, pinned image, in-process and as a CLI call;
+- `tfimage cache ls` over 10,000 entries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+GIB = 1 << 30
+
+
+def child(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Run argv; return (seconds, peak RSS in MiB) of that child alone."""
+    t = time.perf_counter()
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, ru = os.wait4(p.pid, 0)
+    took = time.perf_counter() - t
+    if status != 0:
+        err = p.stderr.read().decode()[-400:] if p.stderr else ""
+        sys.exit(f"bench: {' '.join(argv[:3])} failed: {err}")
+    return took, ru.ru_maxrss / 1024
+
+
+def main(env: dict[str, str], runs: int) -> None:
+    cfg_path = Path(env["TFIMAGE_CONFIG"])
+    cfg = yaml.safe_load(cfg_path.read_text())
+    creds = yaml.safe_load(Path(cfg["credentials"]).read_text())["registries"][cfg["registry"]]
+    reg, ca = cfg["registry"], cfg["ca_bundle"]
+    py = sys.executable
+    from tfimage.agent.cache import ImageCache, client_for
+    from tfimage.agent.config import config_from_mapping
+
+    ref_text = "tf-custom:2.0"
+    base = config_from_mapping(cfg, cfg_path)
+    manifest = client_for(base, reg).manifest("library/tf-custom", "2.0")
+    layer = manifest.body["layers"][0]
+    blob, size = layer["digest"], layer["size"]
+    work = Path(tempfile.mkdtemp(prefix="tfimage-bench-", dir="/var/tmp"))
+    print(f"pull: {ref_text} = {size / GIB:.2f} GiB from {reg}, {runs} runs each, interleaved")
+
+    def site(cache: Path) -> Path:
+        p = work / f"cfg-{cache.name}.yaml"
+        p.write_text(yaml.safe_dump({**cfg, "cache_dir": str(cache)}))
+        return p
+
+    ours = (
+        "import json, sys; from tfimage.agent.config import load_config; "
+        "from tfimage.agent.cache import ImageCache; c = load_config(sys.argv[1]); "
+        "g = ImageCache(c).ensure(c.reference(sys.argv[2])); print(json.dumps({'hit': g.hit}))"
+    )
+    oras_code = (
+        "import sys, oras.provider; r = oras.provider.Registry(hostname=sys.argv[1], "
+        "auth_backend='basic'); r.auth.set_basic_auth(sys.argv[2], sys.argv[3]); "
+        "r.pull(target=sys.argv[1] + '/library/tf-custom:2.0', outdir=sys.argv[4])"
+    )
+    times: dict[str, list[float]] = {"curl": [], "tfimage": [], "oras-py": []}
+    rss: dict[str, list[float]] = {k: [] for k in times}
+    for i in range(runs):
+        out = work / f"curl-{i}"
+        t, m = child(
+            [
+                "curl",
+                "-sf",
+                "--cacert",
+                ca,
+                "-u",
+                f"{creds['username']}:{creds['password']}",
+                "-o",
+                str(out),
+                f"https://{reg}/v2/library/tf-custom/blobs/{blob}",
+            ]
+        )
+        assert out.stat().st_size == size
+        out.unlink()
+        times["curl"].append(t)
+        rss["curl"].append(m)
+        cache = work / f"cache-{i}"
+        t, m = child([py, "-c", ours, str(site(cache)), ref_text])
+        times["tfimage"].append(t)
+        rss["tfimage"].append(m)
+        shutil.rmtree(cache)
+        outdir = work / f"oras-{i}"
+        t, m = child(
+            [py, "-c", oras_code, reg, creds["username"], creds["password"], str(outdir)],
+            env={**os.environ, "REQUESTS_CA_BUNDLE": ca},
+        )
+        times["oras-py"].append(t)
+        rss["oras-py"].append(m)
+        shutil.rmtree(outdir)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k in times:
+        print(
+            f"  {k:<8} median {med[k]:6.2f} s  {size / GIB / med[k]:5.2f} GiB/s  "
+            f"peak RSS {max(rss[k]):6.1f} MiB"
+        )
+    print(
+        f"  tfimage/curl throughput {med['curl'] / med['tfimage']:.2f}x (goal >= 0.70), "
+        f"tfimage/oras-py {med['oras-py'] / med['tfimage']:.2f}x (goal >= 1.50), "
+        f"peak RSS {max(rss['tfimage']):.0f} MiB (goal < 100)"
+    )
+
+    # 16 at once into one empty cache: one download, 16 successes.
+    cache = work / "cache-concurrent"
+    conf = site(cache)
+    t = time.perf_counter()
+    procs = [
+        subprocess.Popen([py, "-c", ours, str(conf), ref_text], stdout=subprocess.PIPE)
+        for _ in range(16)
+    ]
+    outs = [json.loads(p.communicate()[0]) for p in procs]
+    wall = time.perf_counter() - t
+    ok = sum(p.returncode == 0 for p in procs)
+    downloads = sum(not o["hit"] for o in outs)
+    print(
+        f"concurrent: 16 pulls -> {ok} succeeded, {downloads} download(s), wall {wall:.2f} s "
+        f"= {wall / med['tfimage']:.2f}x one pull (goal <= 1.2)"
+    )
+
+    # Warm hits, pinned (no registry round trip).
+    c = ImageCache(config_from_mapping({**cfg, "cache_dir": str(cache)}, conf))
+    pinned = c.cfg.reference(f"{ref_text}@{manifest.digest}")
+    hits = []
+    for _ in range(50):
+        t = time.perf_counter()
+        c.ensure(pinned)
+        hits.append((time.perf_counter() - t) * 1000)
+    cli = [
+        child([str(Path(py).parent / "tfimage"), "--config", str(conf), "pull", str(pinned)])[0]
+        * 1000
+        for _ in range(10)
+    ]
+    print(
+        f"warm hit: in-process median {statistics.median(hits):.1f} ms (goal <= 50), "
+        f"CLI median {statistics.median(cli):.0f} ms"
+    )
+    shutil.rmtree(cache)
+
+    # cache ls over 10,000 entries.
+    big = work / "cache-10k"
+    (big / "images").mkdir(parents=True)
+    for i in range(10000):
+        d = f"sha256:{i:064x}"
+        (big / "images" / f"sha256-{i:064x}.json").write_text(
+            json.dumps(
+                {
+                    "digest": d,
+                    "refs": [f"{reg}/library/img{i}:1"],
+                    "size": 1 << 30,
+                    "created": 0,
+                    "last_used": i,
+                    "pinned": False,
+                    "holders": [],
+                }
+            )
+        )
+    conf = site(big)
+    ls = [
+        child([str(Path(py).parent / "tfimage"), "--config", str(conf), "cache", "ls"])[0]
+        for _ in range(5)
+    ]
+    print(f"cache ls: 10,000 entries median {statistics.median(ls):.2f} s (goal < 1)")
+    shutil.rmtree(work)
