@@ -161,6 +161,7 @@ class ImageCache:
             self._touch(ref, ref.digest, job=job)
             return CachedImage(ref, path, path.stat().st_size, True, time.monotonic() - started)
         from tfimage.agent.artifact import sif_layer
+        from tfimage.agent.convert import is_image_manifest, oci_to_sif
 
         last: RegistryUnreachable | None = None
         for host in self.cfg.sources(ref):
@@ -174,7 +175,17 @@ class ImageCache:
                 blob = None
                 with self.lock(manifest.digest):
                     hit = path.exists()
-                    if not hit:
+                    if not hit and (ref.transport == "docker" or is_image_manifest(manifest.body)):
+                        # An OCI image: converted once, cached under its manifest digest.
+                        oci_to_sif(
+                            pinned,
+                            manifest.digest,
+                            path,
+                            self.root / "tmp",
+                            credential=client.credential,
+                            ca_bundle=self.cfg.ca_bundle,
+                        )
+                    elif not hit:
                         layer = sif_layer(manifest)
                         self._download(client, ref, layer.digest, layer.size, path, progress)
                         blob = layer.digest

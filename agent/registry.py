@@ -67,6 +67,7 @@ class RegistryClient:
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.host = host
+        self.credential = credential
         self._cred = credential
         self._base = f"{scheme}://{host}/v2"
         self._timeout = (connect_timeout, read_timeout)

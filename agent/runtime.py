@@ -56,6 +56,9 @@ class Charliecloud:
 
     name = "charliecloud"
     needs_mount = True
+    # ch-run mounts its own /dev, /proc, /sys and /tmp and fails when an image lacks
+    # the directories (images converted from OCI layers often do).
+    required_dirs = ("/dev", "/proc", "/sys", "/tmp")  # noqa: S108 - mount points, not files
 
     def __init__(self, ch_run: str | None = None) -> None:
         self.exe = _find("ch-run", ch_run)
@@ -73,6 +76,7 @@ class Apptainer:
     """``apptainer exec`` (or ``singularity exec``) straight on the cached SIF."""
 
     needs_mount = False
+    required_dirs: tuple[str, ...] = ()
 
     def __init__(self, name: str = "apptainer", exe: str | None = None) -> None:
         self.name = name

@@ -175,6 +175,10 @@ def prepare_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None)
     with mounts.job_lock(cfg.state_dir, req.job_id):
         image_dir = mounts.mount_image(cfg.state_dir, req.job_id, cached.path, cached.ref.digest)
         root = mounts.step_root(
-            cfg.state_dir, req.job_id, req.step_id, image_dir, spec.mountpoints()
+            cfg.state_dir,
+            req.job_id,
+            req.step_id,
+            image_dir,
+            [*runtime.required_dirs, *spec.mountpoints()],
         )
     return runtime.prefix(root, spec)

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import time
@@ -17,13 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from support import Registry, build_sif
-
-
-def need(*tools: str) -> None:
-    missing = [t for t in tools if not shutil.which(t)]
-    if missing:
-        pytest.skip(f"needs {', '.join(missing)} (make venv installs them)")
+from support import Registry, build_sif, need
 
 
 @pytest.fixture

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 
 def build_sif(root: Path, sif: Path) -> Path:
@@ -59,3 +64,57 @@ class Registry:
         cfg = d / "config.yaml"
         cfg.write_text("\n".join(lines) + "\n")
         return cfg
+
+
+def need(*tools: str) -> None:
+    missing = [t for t in tools if not shutil.which(t)]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (make venv installs them)")
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(list(argv), check=True, capture_output=True, timeout=120)
+
+
+def push_oci_image(registry: Registry, d: Path, repo: str) -> None:
+    """busybox, a marker, Env FOO=bar and a working directory, as an OCI image."""
+    lay, bundle = d / "layout", d / "bundle"
+    _run("umoci", "init", "--layout", str(lay))
+    _run("umoci", "new", "--image", f"{lay}:t")
+    _run("umoci", "unpack", "--image", f"{lay}:t", str(bundle))
+    rootfs = bundle / "rootfs"
+    (rootfs / "bin").mkdir(parents=True)
+    (rootfs / "etc").mkdir(exist_ok=True)
+    shutil.copy("/bin/busybox", rootfs / "bin" / "busybox")
+    (rootfs / "bin" / "sh").symlink_to("busybox")
+    (rootfs / "etc" / "tfimage-test-image").write_text("oci-marker\n")
+    _run("umoci", "repack", "--image", f"{lay}:t", str(bundle))
+    _run(
+        "umoci",
+        "config",
+        "--image",
+        f"{lay}:t",
+        "--config.env",
+        "FOO=bar",
+        "--config.workingdir",
+        "/etc",
+        "--config.cmd",
+        "/bin/sh",
+    )
+    auth = d / "auth.json"
+    token = base64.b64encode(f"{registry.username}:{registry.password}".encode()).decode()
+    auth.write_text(json.dumps({"auths": {registry.host: {"auth": token}}}))
+    certs = d / "certs"
+    certs.mkdir()
+    shutil.copy(registry.ca, certs / "ca.crt")
+    _run(
+        "skopeo",
+        "copy",
+        "--quiet",
+        "--dest-authfile",
+        str(auth),
+        "--dest-cert-dir",
+        str(certs),
+        f"oci:{lay}:t",
+        f"docker://{registry.host}/{repo}:1",
+    )

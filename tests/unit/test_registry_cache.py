@@ -15,7 +15,7 @@ from support import Registry
 from tfimage.agent.cache import ImageCache, client_for
 from tfimage.agent.config import load_config
 from tfimage.agent.credentials import Credential
-from tfimage.agent.errors import RegistryError, VerificationError
+from tfimage.agent.errors import ImageError, RegistryError
 from tfimage.agent.registry import RegistryClient
 
 
@@ -76,9 +76,7 @@ def test_unknown_tag_is_a_clear_error(registry: Registry, tmp_path: Path) -> Non
         ImageCache(cfg).ensure(cfg.reference("does-not-exist:9"))
 
 
-def test_non_sif_artifact_is_refused_and_nothing_published(
-    registry: Registry, tmp_path: Path
-) -> None:
+def test_broken_oci_image_fails_and_nothing_published(registry: Registry, tmp_path: Path) -> None:
     c = client(registry)
     blob = c.push_bytes("library/notsif", b"hello")
     cfg_digest = c.push_bytes("library/notsif", b"{}")
@@ -101,9 +99,11 @@ def test_non_sif_artifact_is_refused_and_nothing_published(
         "application/vnd.oci.image.manifest.v1+json",
     )
     cfg = load_config(registry.write_site(tmp_path))
-    with pytest.raises(VerificationError, match="not a SIF artifact"):
+    # An OCI image whose layer is not a tar: conversion fails, clearly, and leaves nothing.
+    with pytest.raises(ImageError, match="unpacking the OCI image"):
         ImageCache(cfg).ensure(cfg.reference("notsif:1"))
     assert not list((tmp_path / "cache" / "images").glob("*.sif"))
+    assert not any((tmp_path / "cache" / "tmp").iterdir())
 
 
 def test_concurrent_ensures_download_once(
