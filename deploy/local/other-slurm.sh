@@ -12,8 +12,11 @@ set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 # shellcheck source=deploy/local/other-release.sh
 . "$REPO/deploy/local/other-release.sh"
+# The node side of tfimage: Slurm and the runtime (debootstrap), then the OCI-to-SIF
+# converters (apt, which resolves their virtual dependencies; debootstrap does not).
 PKGS="slurmd,slurmctld,slurm-client,munge,libslurm-dev,gcc,libc6-dev,make,python3,python3-venv,charliecloud,squashfuse,fuse3,iproute2,procps,util-linux,ca-certificates"
-KEY=$(printf '%s\n' 1 "$OTHER" "$PKGS" | sha256sum | cut -c1-12)
+MORE="skopeo umoci squashfs-tools siftool"
+KEY=$(printf '%s\n' 1 "$OTHER" "$PKGS" "$MORE" | sha256sum | cut -c1-12)
 ROOT=$CACHE/chroot-$OTHER-$KEY
 
 log() { printf 'other-slurm: %s\n' "$*" >&2; }
@@ -24,6 +27,10 @@ build_root() {
     rm -rf "$ROOT"
     debootstrap --variant=minbase --include="$PKGS" "$OTHER" "$ROOT" "$MIRROR" \
         >"$CACHE/debootstrap-$OTHER.log" 2>&1 || { tail -20 "$CACHE/debootstrap-$OTHER.log" >&2; exit 1; }
+    # shellcheck disable=SC2086
+    chroot "$ROOT" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive \
+        sh -c "apt-get update -qq && apt-get install -y -qq --no-install-recommends $MORE" \
+        >>"$CACHE/debootstrap-$OTHER.log" 2>&1 || { tail -20 "$CACHE/debootstrap-$OTHER.log" >&2; exit 1; }
     touch "$ROOT/.complete"
 }
 
