@@ -23,6 +23,7 @@ from tfimage.agent import proc
 from tfimage.agent.credentials import Credential
 from tfimage.agent.errors import ImageError, RuntimeSetupError
 from tfimage.agent.reference import Reference
+from tfimage.agent.sif import build_commands
 
 CONVERT_TIMEOUT = 3600.0
 
@@ -115,37 +116,8 @@ def oci_to_sif(
             )
         )
         _keep_metadata(work / "rootfs", config)
-        _run(
-            [
-                "mksquashfs",
-                str(work / "rootfs"),
-                str(work / "root.sqfs"),
-                "-all-root",
-                "-noappend",
-                "-quiet",
-                "-comp",
-                "lz4",
-            ],
-            "making the squashfs",
-        )
-        _run(["siftool", "new", str(work / "img.sif")], "making the SIF")
-        _run(
-            [
-                "siftool",
-                "add",
-                "--datatype",
-                "4",
-                "--parttype",
-                "1",
-                "--partfs",
-                "1",
-                "--partarch",
-                "2",
-                str(work / "img.sif"),
-                str(work / "root.sqfs"),
-            ],
-            "making the SIF",
-        )
+        for argv in build_commands(work / "rootfs", work / "root.sqfs", work / "img.sif"):
+            _run(argv, "making the SIF")
         sif = work / "img.sif"
         with sif.open("rb") as f:
             os.fsync(f.fileno())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
 from tfimage.agent.errors import VerificationError
@@ -72,3 +73,26 @@ def root_partition(f: BinaryIO, file_size: int) -> Partition:
             raise VerificationError("SIF root partition lies outside the file")
         return Partition(offset, size)
     raise VerificationError("SIF has no squashfs system partition")
+
+
+def build_commands(rootfs: Path, sqfs: Path, sif: Path) -> list[list[str]]:
+    """How a root filesystem becomes a SIF with Debian's tools: a squashfs owned by
+    root, then a SIF holding it as the primary system partition (what runtimes mount)."""
+    return [
+        ["mksquashfs", str(rootfs), str(sqfs), "-all-root", "-noappend", "-quiet", "-comp", "lz4"],
+        ["siftool", "new", str(sif)],
+        [
+            "siftool",
+            "add",
+            "--datatype",
+            "4",
+            "--parttype",
+            "1",
+            "--partfs",
+            "1",
+            "--partarch",
+            "2",
+            str(sif),
+            str(sqfs),
+        ],
+    ]

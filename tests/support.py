@@ -11,28 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from tfimage.agent.sif import build_commands
+
 
 def build_sif(root: Path, sif: Path) -> Path:
-    """A real SIF of the directory tree ``root``: mksquashfs, then siftool."""
-    sqfs = sif.with_suffix(".sqfs")
-    for argv in (
-        ["mksquashfs", str(root), str(sqfs), "-all-root", "-quiet", "-noappend", "-comp", "lz4"],
-        ["siftool", "new", str(sif)],
-        [
-            "siftool",
-            "add",
-            "--datatype",
-            "4",
-            "--parttype",
-            "1",
-            "--partfs",
-            "1",
-            "--partarch",
-            "2",
-            str(sif),
-            str(sqfs),
-        ],
-    ):
+    """A real SIF of the directory tree ``root``, made the way the converter makes one."""
+    for argv in build_commands(root, sif.with_suffix(".sqfs"), sif):
         subprocess.run(argv, check=True, capture_output=True, timeout=120)
     return sif
 
