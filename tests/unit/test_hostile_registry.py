@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -43,6 +44,10 @@ class Behaviour:
     cut_after: int | None = None  # close the connection after this many bytes, once
     delay: float = 0.0  # seconds between 64 KiB pieces
     ranges: list[str] = field(default_factory=list)
+    busy: int = 0  # answer 429 to this many manifest requests first
+    bearer: bool = False  # Harbor's token flow; each token is good for one request
+    tokens: list[str] = field(default_factory=list)  # scopes asked for, in order
+    manifest_requests: int = 0
 
 
 class Server:
@@ -56,7 +61,35 @@ class Server:
 
             def do_GET(self) -> None:
                 b = outer.b
+                if self.path.startswith("/service/token"):
+                    scope = self.path.split("scope=", 1)[1].split("&")[0]
+                    b.tokens.append(unquote(scope))
+                    body = json.dumps({"token": f"t{len(b.tokens)}"}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                if b.bearer and self.headers.get("Authorization") != f"Bearer t{len(b.tokens)}":
+                    realm = f"https://{outer.host}/service/token"
+                    self.send_response(401)
+                    self.send_header(
+                        "WWW-Authenticate", f'Bearer realm="{realm}",service="harbor-registry"'
+                    )
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if b.bearer:
+                    b.tokens.append("expired")  # the token just used is now stale
                 if "/manifests/" in self.path:
+                    b.manifest_requests += 1
+                    if b.busy:
+                        b.busy -= 1
+                        self.send_response(429)
+                        self.send_header("Retry-After", "0")
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
                     self.send_response(200)
                     self.send_header("Content-Type", OCI)
                     self.send_header("Content-Length", str(len(b.manifest)))
@@ -257,3 +290,31 @@ def test_kill_9_mid_pull_then_resume(
     got = cache.ensure(cache.cfg.reference("x:1"))
     assert server.b.ranges and int(server.b.ranges[0].split("=")[1].rstrip("-")) >= kept
     assert got.path.read_bytes() == blob
+
+
+def test_429_then_success(
+    server: Server,
+    cache_for: Callable[[Server], ImageCache],
+    make_sif: Callable[[dict[str, str]], Path],
+) -> None:
+    blob = a_sif(make_sif)
+    server.serve(blob, busy=2)
+    cache = cache_for(server)
+    got = cache.ensure(cache.cfg.reference("x:1"))
+    assert got.path.read_bytes() == blob
+    assert server.b.manifest_requests == 3  # two 429s, retried, then the answer
+
+
+def test_expired_bearer_token_is_fetched_again(
+    server: Server,
+    cache_for: Callable[[Server], ImageCache],
+    make_sif: Callable[[dict[str, str]], Path],
+) -> None:
+    blob = a_sif(make_sif)
+    server.serve(blob, bearer=True)
+    cache = cache_for(server)
+    got = cache.ensure(cache.cfg.reference("proj/x:1"))
+    assert got.path.read_bytes() == blob
+    asked = [t for t in server.b.tokens if t != "expired"]
+    # One token for the manifest, a fresh one once it expired, for the same repository.
+    assert len(asked) == 2 and set(asked) == {"repository:proj/x:pull"}
