@@ -25,7 +25,7 @@ import pytest
 
 from tfimage.agent.cache import ImageCache
 from tfimage.agent.config import load_config
-from tfimage.agent.errors import RegistryUnreachable, VerificationError
+from tfimage.agent.errors import CacheError, RegistryUnreachable, VerificationError
 
 SIF_CONFIG = "application/vnd.sylabs.sif.config.v1+json"
 SIF_LAYER = "application/vnd.sylabs.sif.layer.v1.sif"
@@ -318,3 +318,31 @@ def test_expired_bearer_token_is_fetched_again(
     asked = [t for t in server.b.tokens if t != "expired"]
     # One token for the manifest, a fresh one once it expired, for the same repository.
     assert len(asked) == 2 and set(asked) == {"repository:proj/x:pull"}
+
+
+def test_full_disk_is_a_clear_error_and_leaves_the_cache_consistent(
+    server: Server, tmp_path: Path, tls: Path, make_sif: Callable[[dict[str, str]], Path]
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem for the cache needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True, timeout=30
+    )
+    try:
+        blob = a_sif(make_sif, size=3_000_000)  # larger than the filesystem
+        server.serve(blob)
+        cfg = tmp_path / "small.yaml"
+        cfg.write_text(
+            f'registry: "{server.host}"\nca_bundle: {tls / "ca.crt"}\n'
+            f"credentials: {tmp_path / 'none.yaml'}\ncache_dir: {small / 'cache'}\n"
+        )
+        cache = ImageCache(load_config(cfg))
+        with pytest.raises(CacheError, match="No space left on device"):
+            cache.ensure(cache.cfg.reference("x:1"))
+        nothing_published(cache)
+        assert not any((cache.root / "tmp").iterdir())  # the partial is gone, space back
+        assert cache.entries() == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True, timeout=30)
