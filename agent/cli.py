@@ -18,6 +18,7 @@ from typing import Any
 import tfimage
 from tfimage.agent.config import DEFAULT_PATH, Config, load_config
 from tfimage.agent.errors import TfimageError
+from tfimage.agent.reference import Reference
 
 EXIT_INTERNAL = 70
 
@@ -50,16 +51,22 @@ class _Bar:
         sys.stderr.flush()
 
 
+def _pin(cfg: Config, ref: Reference, job_image: str | None = None) -> tuple[Reference, str | None]:
+    """Pin ``ref`` to its digest; a fallback's warning goes to stderr, for the user."""
+    from tfimage.agent.pinning import pin
+
+    pinned, warning = pin(cfg, ref, job_image=job_image)
+    if warning:
+        print(f"tfimage: {warning}", file=sys.stderr)
+    return pinned, warning
+
+
 def cmd_resolve(args: argparse.Namespace) -> int:
     cfg = _config(args)
     ref = cfg.reference(args.ref)
     warning = None
     if not args.offline:
-        from tfimage.agent.pinning import pin
-
-        ref, warning = pin(cfg, ref)
-        if warning:
-            print(f"tfimage: {warning}", file=sys.stderr)
+        ref, warning = _pin(cfg, ref)
     _emit(
         args,
         {
@@ -82,13 +89,8 @@ def cmd_submit_check(args: argparse.Namespace) -> int:
     ref = cfg.reference(args.ref)
     parse_mounts(args.mounts, cfg.mount_prefixes)
     if not args.offline:
-        from tfimage.agent.pinning import pin
-
         # Set by Slurm in a job whose submission pinned an image (see spank/submit.c).
-        job_image = os.environ.get("SLURM_SPANK_TFIMAGE_IMAGE")
-        ref, warning = pin(cfg, ref, job_image=job_image)
-        if warning:
-            print(f"tfimage: {warning}", file=sys.stderr)
+        ref, _ = _pin(cfg, ref, job_image=os.environ.get("SLURM_SPANK_TFIMAGE_IMAGE"))
     print(ref)
     return 0
 

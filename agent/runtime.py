@@ -93,7 +93,10 @@ class Apptainer:
         return [*argv, str(sif)]
 
 
-def runtime_for(name: str, exe: str | None = None) -> Charliecloud | Apptainer:
+Runtime = Charliecloud | Apptainer
+
+
+def runtime_for(name: str, exe: str | None = None) -> Runtime:
     if name == "charliecloud":
         return Charliecloud(exe)
     if name in ("apptainer", "singularity"):

@@ -17,7 +17,7 @@ from tfimage.agent.binds import parse_mounts
 from tfimage.agent.cache import CachedImage, ImageCache
 from tfimage.agent.config import Config
 from tfimage.agent.errors import RuntimeSetupError
-from tfimage.agent.runtime import Bind, StepSpec, runtime_for
+from tfimage.agent.runtime import Bind, Runtime, StepSpec, runtime_for
 from tfimage.agent.tfenv import task_env
 
 # The only step variables the plugin passes in; everything else is ignored.
@@ -103,14 +103,10 @@ def _remember(cfg: Config, job_id: str, image: str, pinned: str) -> None:
     os.replace(tmp, path)
 
 
-def prepare_job(
-    cfg: Config, job_id: str, image: str, cache: ImageCache | None = None
-) -> CachedImage:
-    """Prolog: pull the image into the node cache and mount it if the runtime needs it.
-
-    The pinned reference is remembered for the job, so its steps reuse exactly the
-    bytes the prolog fetched without asking the registry again.
-    """
+def _ready(
+    cfg: Config, job_id: str, image: str, runtime: Runtime, cache: ImageCache | None
+) -> tuple[CachedImage, Path | None]:
+    """The job's image in the node cache, and mounted when the runtime needs that."""
     ref = cfg.reference(image)
     key = str(ref.unpinned)
     known = _pinned_for_job(cfg, job_id, key)
@@ -120,11 +116,22 @@ def prepare_job(
     if not known:
         with mounts.job_lock(cfg.state_dir, job_id):
             _remember(cfg, job_id, key, str(cached.ref))
-    if runtime_for(cfg.runtime, cfg.runtime_path).needs_mount:
-        assert cached.ref.digest
-        with mounts.job_lock(cfg.state_dir, job_id):
-            mounts.mount_image(cfg.state_dir, job_id, cached.path, cached.ref.digest)
-    return cached
+    if not runtime.needs_mount:
+        return cached, None
+    assert cached.ref.digest
+    with mounts.job_lock(cfg.state_dir, job_id):
+        return cached, mounts.mount_image(cfg.state_dir, job_id, cached.path, cached.ref.digest)
+
+
+def prepare_job(
+    cfg: Config, job_id: str, image: str, cache: ImageCache | None = None
+) -> CachedImage:
+    """Prolog: pull the image into the node cache and mount it if the runtime needs it.
+
+    The pinned reference is remembered for the job, so its steps reuse exactly the
+    bytes the prolog fetched without asking the registry again.
+    """
+    return _ready(cfg, job_id, image, runtime_for(cfg.runtime, cfg.runtime_path), cache)[0]
 
 
 def _home_of(uid: int) -> str | None:
@@ -137,9 +144,13 @@ def _home_of(uid: int) -> str | None:
 
 def plan_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) -> StepPlan:
     """Ready the image; say how each local task of the step runs inside it."""
+    if req.uid == 0:
+        raise RuntimeSetupError("refusing to run a container task as root")
     env = step_env(cfg, req)  # layout errors first: they are the user's to fix
-    argv = prepare_step(cfg, req, cache)
-    if runtime_for(cfg.runtime, cfg.runtime_path).name == "charliecloud":
+    user_binds = parse_mounts(req.tf_mount, cfg.mount_prefixes)
+    runtime = runtime_for(cfg.runtime, cfg.runtime_path)
+    argv = _step_argv(cfg, req, runtime, user_binds, cache)
+    if runtime.name == "charliecloud":
         # ch-run refuses to start without $USER; a job started without one gets it.
         try:
             user = pwd.getpwuid(req.uid).pw_name
@@ -147,16 +158,19 @@ def plan_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) ->
             user = str(req.uid)
         for task in env.values():
             task.setdefault("USER", user)
-    sources = [b.src for b in parse_mounts(req.tf_mount, cfg.mount_prefixes)]
-    return StepPlan(argv, env, sources)
+    return StepPlan(argv, env, [b.src for b in user_binds])
 
 
-def prepare_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) -> list[str]:
-    """Return the argv prefix that runs a task of this step inside its image."""
-    if req.uid == 0:
-        raise RuntimeSetupError("refusing to run a container task as root")
+def _step_argv(
+    cfg: Config,
+    req: StepRequest,
+    runtime: Runtime,
+    user_binds: list[Bind],
+    cache: ImageCache | None,
+) -> list[str]:
+    """The argv prefix that runs a task of this step inside its image."""
     workdir = mounts.safe_abspath(req.workdir, "working directory") if req.workdir else None
-    binds = parse_mounts(req.tf_mount, cfg.mount_prefixes)
+    binds = list(user_binds)
     for d in parse_mounts(",".join(cfg.default_mounts), ("/",)):
         # The admin's defaults: skipped where the node lacks them, and the user's win.
         if Path(d.src).exists() and not any(b.dst == d.dst for b in binds):
@@ -167,13 +181,10 @@ def prepare_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None)
         binds.append(Bind(str(Path(script).parent), str(Path(script).parent), read_only=True))
     spec = StepSpec(workdir=workdir, home=_home_of(req.uid), binds=tuple(binds), gpus=req.gpus)
 
-    cached = prepare_job(cfg, req.job_id, req.image, cache)
-    runtime = runtime_for(cfg.runtime, cfg.runtime_path)
-    if not runtime.needs_mount:
+    cached, image_dir = _ready(cfg, req.job_id, req.image, runtime, cache)
+    if image_dir is None:
         return runtime.prefix(cached.path, spec)
-    assert cached.ref.digest
     with mounts.job_lock(cfg.state_dir, req.job_id):
-        image_dir = mounts.mount_image(cfg.state_dir, req.job_id, cached.path, cached.ref.digest)
         root = mounts.step_root(
             cfg.state_dir,
             req.job_id,
