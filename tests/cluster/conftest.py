@@ -65,6 +65,16 @@ class Cluster:
             **kw,
         )
 
+    def sbatch(
+        self, workdir: Path, name: str, script: str, out: str, timeout: float = 180
+    ) -> tuple[subprocess.CompletedProcess[str], str]:
+        """Write ``script`` as the user, submit it with ``sbatch --wait`` from
+        ``workdir``, and return the result and the job's output file ``out``."""
+        write_script(workdir, name, script, self.user)
+        r = self.run(["sbatch", "--wait", name], cwd=workdir, timeout=timeout)
+        path = workdir / out
+        return r, path.read_text() if path.exists() else ""
+
     def node_pid(self, node: str) -> int:
         return int((self.state / "run" / f"slurmd-{node}.pid").read_text())
 

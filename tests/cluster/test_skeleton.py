@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Cluster, write_script
+from conftest import Cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -34,7 +34,7 @@ def test_srun_two_nodes_inside_image(cluster: Cluster, workdir: Path) -> None:
 
 
 def test_sbatch_single_task_script_runs_inside_image(cluster: Cluster, workdir: Path) -> None:
-    write_script(
+    r, out = cluster.sbatch(
         workdir,
         "job.sh",
         (
@@ -42,11 +42,10 @@ def test_sbatch_single_task_script_runs_inside_image(cluster: Cluster, workdir: 
             'echo "marker=$(cat /etc/tfimage-test-image) pwd=$(pwd) uid=$(id -u)"\n'
             "echo written-in-image > result.txt\n"
         ),
-        cluster.user,
+        "out.txt",
+        timeout=180,
     )
-    r = cluster.run(["sbatch", "--wait", "job.sh"], cwd=workdir, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
-    out = (workdir / "out.txt").read_text()
     uid = pwd.getpwnam(cluster.user).pw_uid
     assert f"marker=tiny:1.0 pwd={workdir} uid={uid}" in out
     # The job wrote through the bind into the user's real directory, as the user.
@@ -57,7 +56,7 @@ def test_sbatch_single_task_script_runs_inside_image(cluster: Cluster, workdir: 
 def test_multi_node_batch_runs_on_host_and_srun_inherits_image(
     cluster: Cluster, workdir: Path
 ) -> None:
-    write_script(
+    r, out = cluster.sbatch(
         workdir,
         "job.sh",
         (
@@ -65,10 +64,9 @@ def test_multi_node_batch_runs_on_host_and_srun_inherits_image(
             'echo "batch marker=$(cat /etc/tfimage-test-image 2>/dev/null || echo host)"\n'
             "srun sh -c 'echo \"step $SLURMD_NODENAME $(cat /etc/tfimage-test-image)\"'\n"
         ),
-        cluster.user,
+        "out.txt",
+        timeout=180,
     )
-    r = cluster.run(["sbatch", "--wait", "job.sh"], cwd=workdir, timeout=180)
-    out = (workdir / "out.txt").read_text()
     assert r.returncode == 0, out
     assert "batch marker=host" in out
     assert sorted(re.findall(r"step (n\d) (\S+)", out)) == [("n1", "tiny:1.0"), ("n2", "tiny:1.0")]
@@ -170,7 +168,7 @@ def test_epilog_leaves_no_mounts_and_no_holds(cluster: Cluster, workdir: Path) -
 
 
 def test_tensorflow_job_prints_version_on_both_nodes(cluster: Cluster, workdir: Path) -> None:
-    write_script(
+    r, out = cluster.sbatch(
         workdir,
         "tf.sh",
         (
@@ -180,10 +178,9 @@ def test_tensorflow_job_prints_version_on_both_nodes(cluster: Cluster, workdir: 
             'print("TF", os.environ["SLURMD_NODENAME"], tf.__version__, '
             'open("/etc/tfimage-test-image").read().strip())\'\n'
         ),
-        cluster.user,
+        "out.txt",
+        timeout=600,
     )
-    r = cluster.run(["sbatch", "--wait", "tf.sh"], cwd=workdir, timeout=600)
-    out = (workdir / "out.txt").read_text()
     assert r.returncode == 0, out
     found = sorted(re.findall(r"^TF (n\d) (\d+\.\d+\.\d+) tf-custom:2.0$", out, re.M))
     assert [n for n, _ in found] == ["n1", "n2"], out

@@ -83,7 +83,7 @@ def test_two_jobs_at_once_on_the_same_nodes_do_not_collide(cluster: Cluster, wor
 
 
 def test_one_task_job_runs_python_directly_in_the_image(cluster: Cluster, workdir: Path) -> None:
-    write_script(
+    r, out = cluster.sbatch(
         workdir,
         "one.sh",
         (
@@ -93,10 +93,9 @@ def test_one_task_job_runs_python_directly_in_the_image(cluster: Cluster, workdi
             'print("TF", tf.__version__, json.dumps({k: os.environ.get(k) for k in '
             '("TF_CONFIG", "TF_FORCE_GPU_ALLOW_GROWTH")}))\'\n'
         ),
-        cluster.user,
+        "one.out",
+        timeout=300,
     )
-    r = cluster.run(["sbatch", "--wait", "one.sh"], cwd=workdir, timeout=300)
-    out = (workdir / "one.out").read_text()
     assert r.returncode == 0, out + (workdir / "one.err").read_text()[-2000:]
     m = re.search(r"^TF (\S+) (\{.*\})$", out, re.M)
     assert m, out
@@ -108,18 +107,18 @@ def test_one_task_job_runs_python_directly_in_the_image(cluster: Cluster, workdi
 def test_tf_batch_chooses_where_the_script_runs(
     cluster: Cluster, workdir: Path, mode: str, where: str
 ) -> None:
-    write_script(
+    r, out = cluster.sbatch(
         workdir,
         "b.sh",
         (
             f"#!/bin/sh\n#SBATCH --tf-image=tiny:1.0\n#SBATCH --tf-batch={mode}\n#SBATCH -o b.out\n"
             "cat /etc/tfimage-test-image 2>/dev/null || echo host\n"
         ),
-        cluster.user,
+        "b.out",
+        timeout=120,
     )
-    r = cluster.run(["sbatch", "--wait", "b.sh"], cwd=workdir, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert (workdir / "b.out").read_text().split() == [where]
+    assert out.split() == [where]
 
 
 def test_step_gets_tf_config_and_user_values_win(cluster: Cluster, workdir: Path) -> None:
