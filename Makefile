@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: all venv lint spank spank-other images cluster-up cluster-down cluster-status \
+.PHONY: all venv lint wheel spank spank-other images cluster-up cluster-down cluster-status \
         demo test test-unit test-cluster bench clean
 
 all: venv spank
@@ -22,6 +22,13 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	bash -n deploy/local/*.sh deploy/local/images/*.sh spank/*.sh tests/*.sh .ci/run
+	bash deploy/local/role.sh venv
+	cd deploy/ansible && PATH=$(CURDIR)/build/ansible/bin:$$PATH ANSIBLE_CONFIG=ansible.cfg ansible-lint -q
+	cd deploy/ansible && ANSIBLE_CONFIG=ansible.cfg ../../build/ansible/bin/ansible-playbook \
+	    -i inventory.example.ini site.yml --syntax-check >/dev/null
+
+wheel:
+	bash deploy/local/role.sh wheel
 
 spank:
 	$(MAKE) -C spank all check-exports

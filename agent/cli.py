@@ -207,6 +207,24 @@ def cmd_step_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from tfimage.agent.doctor import Context, exit_status, run_checks
+    from tfimage.agent.slurmconf import slurm_conf_path
+
+    ctx = Context(Path(args.config), Path(args.slurm_conf or slurm_conf_path()), login=args.login)
+    findings = run_checks(ctx)
+    status = exit_status(findings)
+    if args.json:
+        verdict = ("ok", "warning", "error")[status]
+        print(json.dumps({"status": verdict, "findings": [f.as_dict() for f in findings]}))
+        return status
+    for f in findings:
+        print(f"{f.level.upper():8} {f.check:9} {f.message}")
+        if f.fix and f.level in ("warning", "error"):
+            print(f"{'':18}fix: {f.fix}")
+    return status
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tfimage",
@@ -255,6 +273,19 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("ref", help="destination reference with a tag")
     ps.add_argument("--json", action="store_true", help="machine-readable output")
     ps.set_defaults(func=cmd_push)
+
+    dr = sub.add_parser(
+        "doctor",
+        help="check this node: config, plugin, hooks, runtime, registry, cache, NVML",
+        description="Check how tfimage is wired into this node. Exit 0: all in order; "
+        "1: warnings; 2: errors. Each problem comes with what to fix.",
+    )
+    dr.add_argument("--json", action="store_true", help="machine-readable output")
+    dr.add_argument(
+        "--login", action="store_true", help="a login node: only config, plugin and registry"
+    )
+    dr.add_argument("--slurm-conf", default="", help="slurm.conf (default $SLURM_CONF)")
+    dr.set_defaults(func=cmd_doctor)
 
     from tfimage.agent.cli_cache import register
 

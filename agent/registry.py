@@ -172,6 +172,13 @@ class RegistryClient:
 
     # -- reading -----------------------------------------------------------------
 
+    def ping(self) -> None:
+        """``GET /v2/`` with the configured credentials: reachable, and they are accepted."""
+        resp = self._send("GET", self._base + "/", "registry:catalog:*")
+        resp.close()
+        if resp.status_code != 200:
+            raise RegistryError(f"{self.host}: /v2/ answered {resp.status_code}")
+
     def manifest(self, repository: str, version: str) -> Manifest:
         """GET a manifest by tag or digest; a digest is checked against the bytes."""
         scope = f"repository:{repository}:pull"

@@ -159,7 +159,6 @@ start_munge() {
 }
 
 setup_root() { # the other flavor's chroot: kernel filesystems, /home, the state, names
-    bash "$REPO/deploy/local/other-slurm.sh" install
     ROOT=$(bash "$REPO/deploy/local/other-slurm.sh" root)
     echo "$ROOT" >"$RUN/chroot.root"
     mount -t proc proc "$ROOT/proc"
@@ -226,17 +225,16 @@ YML
 }
 
 install_tfimage() {
+    # The wheel the role installs; the same sources give the same bytes.
+    WHEEL=$(bash "$REPO/deploy/local/role.sh" wheel)
+    [ -n "$ROOT" ] || return 0
+    # The other flavor's nodes get tfimage from the role, inside the chroot; this
+    # machine keeps its own copy for the harness (pushing images, the tests' helpers).
     [ -x "$PREFIX/bin/python3" ] || /usr/bin/python3 -m venv "$PREFIX"
-    "$PREFIX/bin/pip" install -q --disable-pip-version-check "$REPO" >"$LOGS/pip.log" 2>&1 \
-        || { tail -20 "$LOGS/pip.log" >&2; die "installing tfimage into $PREFIX failed"; }
-    if [ -n "$ROOT" ]; then  # built in the chroot, against that Slurm
-        install -D -m 0755 "$ROOT/usr/src/tfimage-spank/build/spank_tfimage.so" \
-            "$STATE/lib/spank_tfimage.so"
-        return 0
-    fi
-    rm -rf "$STATE/spank-build"  # always from this checkout's sources
-    make -s -C "$REPO/spank" OBJDIR="$STATE/spank-build" >/dev/null
-    install -D -m 0755 "$STATE/spank-build/spank_tfimage.so" "$STATE/lib/spank_tfimage.so"
+    "$PREFIX/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps "$WHEEL" \
+        >"$LOGS/pip.log" 2>&1 && "$PREFIX/bin/pip" install -q --disable-pip-version-check "$WHEEL" \
+        >>"$LOGS/pip.log" 2>&1 || { tail -20 "$LOGS/pip.log" >&2; die "installing tfimage into $PREFIX failed"; }
+    bash "$REPO/deploy/local/other-slurm.sh" wheels
 }
 
 write_credentials() { # FILE OWNER: the robot account's credentials, mode 0600
@@ -250,38 +248,34 @@ YML
     chown "$2" "$1"
 }
 
-write_configs() {
-    local t=$ETC/tfimage
-    mkdir -p "$t"
-    install -m 0644 "$STATE/pki/ca.crt" "$t/ca.pem"
-    cat >"$t/config.yaml" <<YML
-# tfimage site config for the local cluster (written by deploy/local/cluster.sh)
-registry: "$REGISTRY"
-project: library
-ca_bundle: $t/ca.pem
-credentials: $t/credentials.yaml
-cache_dir: /var/cache/tfimage
-state_dir: /run/tfimage
-runtime: charliecloud
-# The seed's default mount, with the site's data at $STATE/data standing in for /data.
-default_mounts: ["$STATE/data:/mnt"]
-mount_prefixes: ["/home", "/data", "$STATE/data"]
-YML
+# What a site has before tfimage: slurm.conf with its own Prolog and Epilog, a
+# plugstack.conf that includes plugstack.conf.d (as Debian's does) and loads a site
+# plugin.  The Ansible role adds tfimage beside them; the tests check they survive.
+write_site() {
+    install -m 0755 "$REPO/deploy/local/site/prolog" "$ETC/site-prolog"
+    install -m 0755 "$REPO/deploy/local/site/epilog" "$ETC/site-epilog"
+    mkdir -p "$STATE/lib"
+    if [ -n "$ROOT" ]; then
+        cp "$REPO/deploy/local/site/site_hello.c" "$ROOT/usr/src/site_hello.c"
+        chroot "$ROOT" gcc -shared -fPIC -O2 -o /usr/src/site_hello.so /usr/src/site_hello.c
+        install -m 0755 "$ROOT/usr/src/site_hello.so" "$STATE/lib/site_hello.so"
+    else
+        gcc -shared -fPIC -O2 -o "$STATE/lib/site_hello.so" "$REPO/deploy/local/site/site_hello.c"
+    fi
+    rm -rf "$ETC/plugstack.conf.d" "$ETC/prolog.d" "$ETC/epilog.d"
+    cat >"$ETC/plugstack.conf" <<CONF
+# The site's plugstack.conf (local cluster stand-in)
+optional $STATE/lib/site_hello.so
+include $ETC/plugstack.conf.d/*.conf
+CONF
     mkdir -p "$STATE/data"
     echo "site data" >"$STATE/data/README"
-    chmod 0755 "$STATE/data"; chmod 0644 "$STATE/data/README"
-    chmod 0644 "$t/config.yaml"
-    write_credentials "$t/credentials.yaml" root
+    chmod 0755 "$STATE/data"; chmod 0644 "$STATE/data/README" "$ETC/plugstack.conf"
     # The test user's own pull credentials, for pinning tags at submit (as the user).
     local home
     home=$(getent passwd "$TEST_USER" | cut -d: -f6)
     install -d -o "$TEST_USER" -m 0700 "$home/.config" "$home/.config/tfimage"
     write_credentials "$home/.config/tfimage/credentials.yaml" "$TEST_USER"
-    printf '#!/bin/sh\nexec %s/bin/tfimage-prolog --config %s/config.yaml\n' "$PREFIX" "$t" >"$ETC/prolog"
-    printf '#!/bin/sh\nexec %s/bin/tfimage-epilog --config %s/config.yaml\n' "$PREFIX" "$t" >"$ETC/epilog"
-    chmod 0755 "$ETC/prolog" "$ETC/epilog"
-    echo "required $STATE/lib/spank_tfimage.so helper=$PREFIX/bin/tfimage config=$t/config.yaml" \
-        >"$ETC/plugstack.conf"
 
     local nodes=""
     for n in "${NODES[@]}"; do
@@ -315,9 +309,9 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=2
-Prolog=$ETC/prolog
-Epilog=$ETC/epilog
-PrologFlags=Alloc
+# The site's own hooks; the role turns these into prolog.d/epilog.d globs.
+Prolog=$ETC/site-prolog
+Epilog=$ETC/site-epilog
 PrologEpilogTimeout=1200
 PlugStackConfig=$ETC/plugstack.conf
 KillWait=5
@@ -326,7 +320,61 @@ MinJobAge=300
 $nodes
 PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
-    chmod 0644 "$ETC/slurm.conf" "$ETC/plugstack.conf"
+    chmod 0644 "$ETC/slurm.conf"
+}
+
+# The role's inventory and variables: this machine, Slurm's config under $ETC.
+write_role_vars() {
+    local a=$ETC/ansible wheel src build pipargs=""
+    mkdir -p "$a"
+    chmod 0700 "$a"
+    echo "$FLAVOR" >"$a/flavor"
+    if [ -n "$ROOT" ]; then
+        wheel=/usr/src/tfimage-src/dist/$(basename "$WHEEL")
+        src=/usr/src/tfimage-src
+        build=/usr/src/tfimage-spank
+        pipargs="--no-index --find-links /usr/src/tfimage-wheels"
+    else
+        wheel=$WHEEL; src=$REPO; build=$STATE/spank-build
+    fi
+    printf '[compute]\nlocalhost ansible_connection=local ansible_python_interpreter=/usr/bin/python3 ansible_become=false\n' \
+        >"$a/inventory.ini"
+    (umask 077; cat >"$a/vars.yml" <<YML
+# Written by deploy/local/cluster.sh for deploy/local/role.sh
+tfimage_wheel: "$wheel"
+tfimage_source_dir: "$src"
+tfimage_spank_build_dir: "$build"
+tfimage_pip_extra_args: "$pipargs"
+tfimage_prefix: $PREFIX
+tfimage_slurm_conf_dir: $ETC
+tfimage_plugin_dir: $STATE/lib
+tfimage_config_dir: $ETC/tfimage
+# Slurm starts after the role here: nothing to reconfigure.
+tfimage_slurm_reconfigure: false
+tfimage_registry: "$REGISTRY"
+tfimage_project: library
+tfimage_ca_pem: |
+$(sed 's/^/  /' "$STATE/pki/ca.crt")
+tfimage_registry_credentials:
+  "$REGISTRY":
+    username: "$ROBOT"
+    password: "$(cat "$STATE/pki/robot.password")"
+tfimage_runtime: charliecloud
+tfimage_cache_dir: /var/cache/tfimage
+tfimage_state_dir: /run/tfimage
+# The seed's default mount, with the site's data at $STATE/data standing in for /data.
+tfimage_default_mounts: ["$STATE/data:/mnt"]
+tfimage_mount_prefixes: [/home, /data, "$STATE/data"]
+tfimage_maintenance: cron
+YML
+    )
+}
+
+deploy_role() {
+    local t0=$SECONDS
+    bash "$REPO/deploy/local/role.sh" apply >"$LOGS/ansible.log" 2>&1 \
+        || { tail -40 "$LOGS/ansible.log" >&2; die "the Ansible role failed (log: $LOGS/ansible.log)"; }
+    log "role applied in $((SECONDS - t0)) s: $(grep -E '^localhost +:' "$LOGS/ansible.log" | tr -s ' ')"
 }
 
 start_slurm() {
@@ -425,7 +473,9 @@ up() {
     make_pki
     start_registry
     install_tfimage
-    write_configs
+    write_site
+    write_role_vars
+    deploy_role
     start_slurm
     push_images
     write_env

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The other Debian generation's Slurm, in a chroot, for SLURM_FLAVOR=other:
 #   Debian 12 host (Slurm 22.05) -> a Debian 13 chroot (Slurm 24.11), and back.
-# Built once with debootstrap and cached, keyed by its package list; the tfimage
-# wheel and its dependencies (downloaded on the host for the chroot's Python) are
-# installed into the chroot's own /opt/tfimage, and the plugin is compiled there
-# against that Slurm's headers, so nothing of one generation leaks into the other.
+# Built once with debootstrap and cached, keyed by its package list.  tfimage itself
+# is deployed into it by the Ansible role (deploy/local/role.sh, run in the chroot):
+# its own /opt/tfimage, the plugin compiled against that Slurm's headers, so nothing
+# of one generation leaks into the other.
 #
 #   other-slurm.sh root      print the chroot's path, building it if needed
-#   other-slurm.sh install   (re)install tfimage and build the plugin in it
+#   other-slurm.sh wheels    stage tfimage's dependency wheels for the role
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 # shellcheck source=deploy/local/other-release.sh
@@ -34,39 +34,25 @@ build_root() {
     touch "$ROOT/.complete"
 }
 
-install_tfimage() {
-    local pyver wheels src
+# tfimage's dependencies, downloaded on the host for the chroot's Python and staged at
+# /usr/src/tfimage-wheels; the Ansible role installs tfimage from there (--no-index).
+stage_wheels() {
+    local pyver wheels whl
+    whl=$(ls "$REPO"/build/dist/tfimage-*.whl)
     pyver=$(chroot "$ROOT" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
     wheels=$CACHE/chroot-wheels-py$pyver
-    src=$(mktemp -d)
-    trap 'rm -rf "$src"' RETURN
-    # A pure-Python wheel of this checkout, built on the host.
-    python3 -m pip wheel -q --no-deps --no-build-isolation -w "$src" "$REPO" >/dev/null 2>&1 \
-        || python3 -m pip wheel -q --no-deps -w "$src" "$REPO" >/dev/null
     mkdir -p "$wheels"
-    PIP_CONSTRAINT= python3 -m pip download -q --only-binary=:all: --python-version "$pyver" \
+    PIP_CONSTRAINT='' python3 -m pip download -q --only-binary=:all: --python-version "$pyver" \
         --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        --platform manylinux_2_28_x86_64 --platform any -d "$wheels" "$src"/tfimage-*.whl >/dev/null
+        --platform manylinux_2_28_x86_64 --platform any -d "$wheels" "$whl" >/dev/null
     rm -f "$wheels"/tfimage-*.whl  # only its dependencies are cached
     rm -rf "$ROOT/usr/src/tfimage-wheels"
     mkdir -p "$ROOT/usr/src/tfimage-wheels"
-    cp "$wheels"/*.whl "$src"/tfimage-*.whl "$ROOT/usr/src/tfimage-wheels/"
-    local whl
-    whl=/usr/src/tfimage-wheels/$(basename "$src"/tfimage-*.whl)
-    [ -x "$ROOT/opt/tfimage/bin/python3" ] || chroot "$ROOT" python3 -m venv /opt/tfimage
-    chroot "$ROOT" /usr/bin/env -i PATH=/usr/bin:/bin /opt/tfimage/bin/pip install -q \
-        --disable-pip-version-check --no-index --find-links /usr/src/tfimage-wheels \
-        --force-reinstall --no-deps "$whl"
-    chroot "$ROOT" /usr/bin/env -i PATH=/usr/bin:/bin /opt/tfimage/bin/pip install -q \
-        --disable-pip-version-check --no-index --find-links /usr/src/tfimage-wheels "$whl"
-    rm -rf "$ROOT/usr/src/tfimage-spank"
-    cp -r "$REPO/spank" "$ROOT/usr/src/tfimage-spank"
-    rm -rf "$ROOT/usr/src/tfimage-spank/build"
-    chroot "$ROOT" make -s -C /usr/src/tfimage-spank OBJDIR=build all check-exports >/dev/null
+    cp "$wheels"/*.whl "$ROOT/usr/src/tfimage-wheels/"
 }
 
 case "${1:-}" in
     root) build_root; echo "$ROOT" ;;
-    install) build_root; install_tfimage ;;
-    *) echo "usage: other-slurm.sh root|install" >&2; exit 2 ;;
+    wheels) build_root; stage_wheels ;;
+    *) echo "usage: other-slurm.sh root|wheels" >&2; exit 2 ;;
 esac

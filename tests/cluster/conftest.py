@@ -78,6 +78,27 @@ class Cluster:
     def node_pid(self, node: str) -> int:
         return int((self.state / "run" / f"slurmd-{node}.pid").read_text())
 
+    def on_node(
+        self, node: str, argv: list[str], timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` as root inside the node's namespaces (its /opt, /etc, network)."""
+        env = {
+            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+            "LANG": "C.UTF-8",
+            "SLURM_CONF": self.env["SLURM_CONF"],
+            "TFIMAGE_CONFIG": self.env["TFIMAGE_CONFIG"],
+        }
+        pid = str(self.node_pid(node))
+        return subprocess.run(
+            ["nsenter", "-t", pid, "-m", "-u", "-n", "--", *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+
     def node_mounts(self, node: str) -> list[str]:
         """Mount points as seen inside the node's own mount namespace."""
         with open(f"/proc/{self.node_pid(node)}/mountinfo") as f:

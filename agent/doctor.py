@@ -1,0 +1,329 @@
+"""``tfimage doctor``: is this node wired up the way tfimage needs?
+
+Each check returns findings; a finding says what is wrong and what to do about it.
+Exit status: 0 all in order, 1 warnings only, 2 at least one error.  Checks never
+change anything on the node, and every program they run has a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+from tfimage.agent.config import Config, load_config
+from tfimage.agent.errors import TfimageError
+from tfimage.agent.slurmconf import hook_scripts, read_plugstack, read_slurm_conf
+
+Level = Literal["ok", "info", "warning", "error"]
+_RANK = {"ok": 0, "info": 0, "warning": 1, "error": 2}
+_DEADLINE = 20.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    level: Level
+    message: str
+    fix: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+@dataclass
+class Context:
+    config_path: Path
+    slurm_conf: Path
+    login: bool = False
+    fuse_conf: Path = Path("/etc/fuse.conf")
+    cfg: Config | None = None
+
+
+def exit_status(findings: list[Finding]) -> int:
+    return max((_RANK[f.level] for f in findings), default=0)
+
+
+def _run(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=_DEADLINE, env=env, check=False
+    )
+
+
+def check_config(ctx: Context) -> Iterator[Finding]:
+    try:
+        ctx.cfg = load_config(ctx.config_path)
+    except TfimageError as e:
+        yield Finding("config", "error", str(e), f"fix {ctx.config_path} (see README: config)")
+        return
+    yield Finding("config", "ok", f"{ctx.config_path} is valid (registry {ctx.cfg.registry})")
+
+
+def _slurm(ctx: Context) -> dict[str, str] | None:
+    try:
+        return read_slurm_conf(ctx.slurm_conf)
+    except OSError as e:
+        return {"__error__": f"{ctx.slurm_conf}: {e.strerror}"}
+
+
+def check_plugin(ctx: Context) -> Iterator[Finding]:
+    conf = _slurm(ctx) or {}
+    if "__error__" in conf:
+        yield Finding("plugin", "error", conf["__error__"], "set SLURM_CONF or install Slurm")
+        return
+    plugstack = Path(conf.get("plugstackconfig") or ctx.slurm_conf.parent / "plugstack.conf")
+    try:
+        entries = read_plugstack(plugstack)
+    except OSError as e:
+        yield Finding(
+            "plugin", "error", f"{plugstack}: {e.strerror}", "deploy the role (plugstack.conf)"
+        )
+        return
+    mine = [e for e in entries if os.path.basename(e.path) == "spank_tfimage.so"]
+    if not mine:
+        yield Finding(
+            "plugin",
+            "error",
+            f"no spank_tfimage.so line in {plugstack} or its includes",
+            "add plugstack.conf.d/tfimage.conf (the Ansible role does)",
+        )
+        return
+    entry = mine[-1]
+    so = Path(entry.path)
+    if not so.is_absolute():
+        so = Path(conf.get("plugindir", "/usr/lib/x86_64-linux-gnu/slurm-wlm")) / so
+    if not so.is_file():
+        yield Finding(
+            "plugin",
+            "error",
+            f"{so} (named in {entry.source}) does not exist",
+            "rebuild and install the plugin",
+        )
+        return
+    yield Finding("plugin", "ok", f"{so} listed in {entry.source}")
+    args = dict(a.split("=", 1) for a in entry.args if "=" in a)
+    helper = args.get("helper", "")
+    if helper and not os.access(helper, os.X_OK):
+        yield Finding(
+            "plugin",
+            "error",
+            f"helper={helper} is not executable",
+            "install the tfimage venv or fix helper= in the drop-in",
+        )
+    env = dict(os.environ, SLURM_CONF=str(ctx.slurm_conf))
+    try:
+        out = _run(["srun", "--help"], env)
+    except FileNotFoundError:
+        yield Finding("plugin", "error", "srun is not installed", "install slurm-client")
+        return
+    except subprocess.TimeoutExpired:
+        yield Finding("plugin", "error", "srun --help did not finish", "check the plugin")
+        return
+    if "--tf-image" in out.stdout:
+        yield Finding("plugin", "ok", "srun --help lists --tf-image: Slurm loads the plugin")
+    else:
+        tail = (out.stderr.strip().splitlines() or [""])[-1][:200]
+        yield Finding(
+            "plugin",
+            "error",
+            f"srun --help does not list --tf-image {tail}".strip(),
+            "check plugstack.conf and the plugin's build against this Slurm",
+        )
+
+
+def _hook(conf: dict[str, str], key: str, program: str) -> Finding:
+    value = conf.get(key.lower(), "")
+    if not value:
+        return Finding(
+            "hooks",
+            "error",
+            f"{key}= is not set in slurm.conf",
+            f"set {key}= to a script (or prolog.d-style glob) running {program}",
+        )
+    for script in hook_scripts(value):
+        try:
+            with script.open("rb") as f:
+                if program.encode() in f.read(1 << 16):
+                    return Finding("hooks", "ok", f"{key} runs {program} ({script})")
+        except OSError:
+            continue
+    return Finding(
+        "hooks",
+        "error",
+        f"no script of {key}={value} runs {program}",
+        f"add a {key.lower()}.d script that execs {program}",
+    )
+
+
+def check_hooks(ctx: Context) -> Iterator[Finding]:
+    conf = _slurm(ctx) or {}
+    if "__error__" in conf:
+        return
+    yield _hook(conf, "Prolog", "tfimage-prolog")
+    yield _hook(conf, "Epilog", "tfimage-epilog")
+    flags = [f.strip().lower() for f in conf.get("prologflags", "").split(",")]
+    if "alloc" in flags:
+        yield Finding("hooks", "ok", "PrologFlags has Alloc")
+    else:
+        yield Finding(
+            "hooks",
+            "error",
+            "PrologFlags lacks Alloc: images are pulled too late",
+            "add Alloc to PrologFlags in slurm.conf",
+        )
+
+
+def check_runtime(ctx: Context) -> Iterator[Finding]:
+    if ctx.cfg is None:
+        return
+    from tfimage.agent.runtime import runtime_for
+
+    try:
+        rt = runtime_for(ctx.cfg.runtime, ctx.cfg.runtime_path)
+    except TfimageError as e:
+        yield Finding("runtime", "error", str(e), f"install {ctx.cfg.runtime}")
+        return
+    # ch-run refuses to start at all without $USER, which cron and hooks may lack.
+    env = dict(os.environ, USER=os.environ.get("USER") or "root")
+    try:
+        out = _run([rt.exe, "--version"], env)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        yield Finding("runtime", "error", f"{rt.exe} --version failed: {e}", "reinstall it")
+        return
+    version = (out.stdout.strip() or out.stderr.strip()).splitlines()[:1]
+    if out.returncode != 0:
+        yield Finding(
+            "runtime",
+            "error",
+            f"{rt.exe} --version exited {out.returncode}",
+            "reinstall the runtime",
+        )
+        return
+    yield Finding("runtime", "ok", f"{ctx.cfg.runtime}: {rt.exe} {' '.join(version)}")
+    if rt.needs_mount:
+        import shutil
+
+        if not shutil.which("squashfuse", path="/usr/local/bin:/usr/bin:/bin"):
+            yield Finding(
+                "runtime", "error", "squashfuse is not installed", "install squashfuse and fuse3"
+            )
+        try:
+            fuse = ctx.fuse_conf.read_text()
+        except OSError:
+            fuse = ""
+        if not any(line.strip() == "user_allow_other" for line in fuse.splitlines()):
+            yield Finding(
+                "runtime",
+                "error",
+                f"{ctx.fuse_conf} lacks user_allow_other",
+                "add user_allow_other: tasks read the root-made image mounts",
+            )
+
+
+def check_registry(ctx: Context) -> Iterator[Finding]:
+    if ctx.cfg is None:
+        return
+    from tfimage.agent.cache import client_for
+
+    for host in (ctx.cfg.registry, *ctx.cfg.mirrors):
+        try:
+            client_for(ctx.cfg, host).ping()
+        except TfimageError as e:
+            yield Finding(
+                "registry", "error", str(e), "check the network, ca_bundle and the credentials file"
+            )
+        else:
+            yield Finding("registry", "ok", f"{host} reachable, credentials accepted")
+
+
+def check_cache(ctx: Context) -> Iterator[Finding]:
+    if ctx.cfg is None:
+        return
+    root = Path(ctx.cfg.cache_dir)
+    try:
+        st = root.lstat()
+    except FileNotFoundError:
+        yield Finding(
+            "cache",
+            "warning",
+            f"{root} does not exist yet",
+            f"create it: install -d -o root -m 0755 {root}",
+        )
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        yield Finding("cache", "error", f"{root} is not a directory", "remove it; make a directory")
+    elif st.st_uid != 0:
+        yield Finding(
+            "cache", "error", f"{root} is owned by uid {st.st_uid}, not root", f"chown root {root}"
+        )
+    elif st.st_mode & 0o022:
+        yield Finding(
+            "cache",
+            "error",
+            f"{root} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})",
+            f"chmod go-w {root}",
+        )
+    else:
+        vfs = os.statvfs(root)
+        free = vfs.f_bavail * vfs.f_frsize
+        yield Finding("cache", "ok", f"{root} root-owned, {free >> 30} GiB free")
+
+
+def check_nvml(ctx: Context) -> Iterator[Finding]:
+    try:
+        import pynvml
+    except ImportError:
+        yield Finding("nvml", "warning", "nvidia-ml-py is not installed", "reinstall tfimage")
+        return
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError_LibraryNotFound:
+        yield Finding(
+            "nvml",
+            "info",
+            "no NVIDIA driver here (libnvidia-ml.so.1 not found): GPU checks are off on this node",
+        )
+        return
+    except pynvml.NVMLError as e:
+        yield Finding(
+            "nvml", "error", f"NVML does not initialise: {e}", "check the driver (nvidia-smi)"
+        )
+        return
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        for i in range(count):
+            pynvml.nvmlDeviceGetHandleByIndex(i)
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        yield Finding("nvml", "ok", f"driver {driver}, {count} GPU(s) answer")
+    except pynvml.NVMLError as e:
+        yield Finding("nvml", "error", f"NVML: {e}", "check the GPUs (nvidia-smi -q)")
+    finally:
+        pynvml.nvmlShutdown()
+
+
+Check = Callable[[Context], Iterator[Finding]]
+ALL: tuple[Check, ...] = (
+    check_config,
+    check_plugin,
+    check_hooks,
+    check_runtime,
+    check_registry,
+    check_cache,
+    check_nvml,
+)
+LOGIN: tuple[Check, ...] = (check_config, check_plugin, check_registry)
+
+
+def run_checks(ctx: Context) -> list[Finding]:
+    out: list[Finding] = []
+    for check in LOGIN if ctx.login else ALL:
+        try:
+            out.extend(check(ctx))
+        except Exception as e:  # one check's bug must not hide the others
+            name = check.__name__.removeprefix("check_")
+            out.append(Finding(name, "error", f"check failed: {type(e).__name__}: {e}"))
+    return out

@@ -1,0 +1,143 @@
+#!/usr/bin/python
+"""Wire tfimage's prolog and epilog into slurm.conf without clobbering the site's.
+
+Prolog= and Epilog= become prolog.d-style globs (Slurm >= 21.08 runs every match):
+- unset: set to ``DIR/*``;
+- already a glob: kept; tfimage's script goes into that glob's directory;
+- a single program: that program is linked as ``DIR/00-site-<kind>`` so it still
+  runs first, and the key becomes ``DIR/*``; the old line stays, commented.
+PrologFlags gains ``Alloc`` (and anything else asked for); other flags are kept.
+Nothing else in the file is touched.  Supports check mode and diff.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+from ansible.module_utils.basic import AnsibleModule
+
+DOCUMENTATION = r"""
+module: tfimage_slurm_conf
+short_description: Add tfimage's prolog.d/epilog.d globs and PrologFlags to slurm.conf
+options:
+  path: {description: slurm.conf to edit, type: path, required: true}
+  prolog_dir: {description: directory for prolog programs, type: path, required: true}
+  epilog_dir: {description: directory for epilog programs, type: path, required: true}
+  prolog_flags:
+    description: flags PrologFlags must contain
+    type: list
+    elements: str
+    default: [Alloc]
+"""
+
+_GLOB = re.compile(r"[*?\[]")
+MARK = "# tfimage: "
+
+
+def _key_line(lines: list[str], key: str) -> int | None:
+    pat = re.compile(rf"^\s*{key}\s*=", re.IGNORECASE)
+    found = None
+    for i, line in enumerate(lines):
+        if pat.match(line):
+            found = i  # the last one wins in Slurm
+    return found
+
+
+def _value(line: str) -> str:
+    return line.split("#", 1)[0].split("=", 1)[1].strip()
+
+
+def plan(text: str, prolog_dir: str, epilog_dir: str, flags: list[str]) -> tuple[str, dict]:
+    lines = text.splitlines()
+    out = {"links": {}, "dirs": {}}
+    for key, d in (("Prolog", prolog_dir), ("Epilog", epilog_dir)):
+        want = f"{d.rstrip('/')}/*"
+        i = _key_line(lines, key)
+        if i is None:
+            lines.append(f"{key}={want}")
+            out["dirs"][key] = d
+            continue
+        value = _value(lines[i])
+        if _GLOB.search(value):
+            out["dirs"][key] = os.path.dirname(value)
+            continue
+        out["dirs"][key] = d
+        if value:
+            out["links"][f"{d.rstrip('/')}/00-site-{key.lower()}"] = value
+            lines[i : i + 1] = [
+                f"#{lines[i].strip()}  {MARK}moved to {d}/00-site-{key.lower()}",
+                f"{key}={want}",
+            ]
+        else:
+            lines[i] = f"{key}={want}"
+    i = _key_line(lines, "PrologFlags")
+    if i is None:
+        lines.append("PrologFlags=" + ",".join(flags))
+    else:
+        have = [f for f in _value(lines[i]).split(",") if f]
+        missing = [f for f in flags if f.lower() not in {h.lower() for h in have}]
+        if missing:
+            lines[i] = "PrologFlags=" + ",".join(have + missing)
+    return "\n".join(lines) + "\n", out
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "path": {"type": "path", "required": True},
+            "prolog_dir": {"type": "path", "required": True},
+            "epilog_dir": {"type": "path", "required": True},
+            "prolog_flags": {"type": "list", "elements": "str", "default": ["Alloc"]},
+        },
+        supports_check_mode=True,
+    )
+    p = module.params
+    try:
+        with open(p["path"], encoding="utf-8") as f:
+            before = f.read()
+    except OSError as e:
+        module.fail_json(msg=f"tfimage: cannot read {p['path']}: {e.strerror}")
+    after, extra = plan(before, p["prolog_dir"], p["epilog_dir"], p["prolog_flags"])
+    changed = after != before
+    links_to_make = {
+        link: target
+        for link, target in extra["links"].items()
+        if not (os.path.islink(link) and os.readlink(link) == target)
+    }
+    dirs_to_make = [d for d in set(extra["dirs"].values()) if not os.path.isdir(d)]
+    changed = changed or bool(links_to_make) or bool(dirs_to_make)
+    result = {
+        "changed": changed,
+        "prolog_dir": extra["dirs"]["Prolog"],
+        "epilog_dir": extra["dirs"]["Epilog"],
+        "site_links": extra["links"],
+        "diff": {
+            "before": before,
+            "after": after,
+            "before_header": p["path"],
+            "after_header": p["path"],
+        },
+    }
+    if module.check_mode or not changed:
+        module.exit_json(**result)
+    for d in dirs_to_make:
+        os.makedirs(d, mode=0o755, exist_ok=True)
+    for link, target in links_to_make.items():
+        if os.path.lexists(link):
+            os.unlink(link)
+        os.symlink(target, link)
+    if after != before:
+        st = os.stat(p["path"])
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(p["path"]), prefix=".slurm.conf.")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(after)
+        os.chmod(tmp, st.st_mode & 0o7777)
+        os.chown(tmp, st.st_uid, st.st_gid)
+        os.replace(tmp, p["path"])
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

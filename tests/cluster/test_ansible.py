@@ -1,0 +1,126 @@
+"""The Ansible role, as the local cluster was deployed with it (deploy/local/role.sh).
+
+cluster.sh gave the cluster a site's own Prolog, Epilog and SPANK plugin before it
+applied the role; these tests re-apply it, check that nothing of the site's was lost,
+and run `tfimage doctor` inside each node.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, Cluster
+
+ROLE = REPO / "deploy" / "local" / "role.sh"
+RECAP = re.compile(r"^localhost\s+:\s+(.*)$", re.MULTILINE)
+
+
+def _apply(*args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, int], float]:
+    t0 = time.monotonic()
+    r = subprocess.run(
+        ["bash", str(ROLE), "apply", *args], capture_output=True, text=True, timeout=900
+    )
+    took = time.monotonic() - t0
+    m = RECAP.search(r.stdout)
+    counts = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))} if m else {}
+    return r, counts, took
+
+
+def test_second_run_changes_nothing() -> None:
+    r, counts, took = _apply()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    print(f"role re-run: {took:.1f} s, {counts}")
+    assert counts.get("failed") == 0 and counts.get("ok", 0) > 10, counts
+    changed = [line for line in r.stdout.splitlines() if line.startswith("changed:")]
+    assert counts["changed"] == 0, changed
+
+
+def test_check_diff_on_an_applied_machine_reports_nothing() -> None:
+    r, counts, _ = _apply("--check", "--diff")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert counts.get("changed") == 0, r.stdout[-3000:]
+    assert "--- before" not in r.stdout, r.stdout[-3000:]
+
+
+def test_a_bad_variable_stops_the_play_with_the_spec_message() -> None:
+    r, _, _ = _apply("--check", "-e", "tfimage_cache_max_bytes=lots")
+    assert r.returncode != 0
+    assert "Validation of arguments failed" in r.stdout
+    assert "argument 'tfimage_cache_max_bytes' is of type str" in r.stdout
+    r, _, _ = _apply("--check", "-e", "tfimage_runtime=docker")
+    assert r.returncode != 0
+    assert "tfimage_runtime" in r.stdout and "charliecloud" in r.stdout
+
+
+def test_site_prolog_epilog_and_plugin_survive(cluster: Cluster, workdir: Path) -> None:
+    etc = cluster.state / "etc"
+    conf = (etc / "slurm.conf").read_text()
+    assert re.search(rf"^Prolog={re.escape(str(etc))}/prolog\.d/\*$", conf, re.M), conf
+    assert re.search(rf"^Epilog={re.escape(str(etc))}/epilog\.d/\*$", conf, re.M), conf
+    assert re.search(r"^PrologFlags=.*\bAlloc\b", conf, re.M), conf
+    assert (etc / "prolog.d" / "00-site-prolog").resolve() == etc / "site-prolog"
+    assert (etc / "epilog.d" / "00-site-epilog").resolve() == etc / "site-epilog"
+    plugstack = (etc / "plugstack.conf").read_text()
+    assert f"optional {cluster.state}/lib/site_hello.so" in plugstack
+    assert plugstack.count("include ") == 1, plugstack  # Debian-style include kept, not doubled
+
+    help_ = cluster.run(["srun", "--help"])
+    assert "--site-hello" in help_.stdout and "--tf-image" in help_.stdout, help_.stderr
+
+    r = cluster.run(
+        [
+            "srun",
+            "-N2",
+            "-n2",
+            "--tf-image=tiny:1.0",
+            "sh",
+            "-c",
+            'echo "$SLURM_JOB_ID $(cat /etc/tfimage-test-image)"',
+        ],
+        cwd=workdir,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = set(r.stdout.split("\n")) - {""}
+    assert len(lines) == 1, r.stdout  # both tasks: one job, inside the image
+    last, marker = lines.pop().split()
+    assert marker == "tiny:1.0"  # tfimage's prolog and plugin did their part
+    for node in ("n1", "n2"):
+        log = cluster.state / "nodes" / node / "log"
+        assert (
+            log / f"site-prolog.{last}"
+        ).read_text().strip() == f"site prolog ran for job {last}"
+        for _ in range(100):  # the epilog runs as the job completes
+            if (log / f"site-epilog.{last}").exists():
+                break
+            time.sleep(0.1)
+        assert (log / f"site-epilog.{last}").exists(), sorted(p.name for p in log.iterdir())
+
+
+@pytest.mark.parametrize("node", ["n1", "n2"])
+def test_doctor_is_clean_on_each_node(cluster: Cluster, node: str) -> None:
+    r = cluster.on_node(node, ["/opt/tfimage/bin/tfimage", "doctor", "--json"])
+    report = json.loads(r.stdout)
+    bad = [f for f in report["findings"] if f["level"] not in ("ok", "info")]
+    assert r.returncode == 0 and report["status"] == "ok", bad
+    checks = {f["check"] for f in report["findings"] if f["level"] == "ok"}
+    assert {"config", "plugin", "hooks", "runtime", "registry", "cache"} <= checks, checks
+
+
+def test_doctor_names_what_to_fix_when_the_prolog_is_gone(cluster: Cluster, tmp_path: Path) -> None:
+    # A copy of the node's slurm.conf without the role's hooks: what a site sees when
+    # someone rewrote slurm.conf from an old template.
+    etc = cluster.state / "etc"
+    conf = tmp_path / "slurm.conf"
+    text = (etc / "slurm.conf").read_text()
+    text = re.sub(r"^(Prolog|Epilog|PrologFlags)=.*$", "", text, flags=re.M)
+    conf.write_text(text + f"PlugStackConfig={etc}/plugstack.conf\n")
+    r = cluster.on_node("n1", ["/opt/tfimage/bin/tfimage", "doctor", "--slurm-conf", str(conf)])
+    assert r.returncode == 2, r.stdout
+    assert "ERROR    hooks     Prolog= is not set in slurm.conf" in r.stdout
+    assert "fix: set Prolog=" in r.stdout
+    assert "PrologFlags lacks Alloc" in r.stdout

@@ -1,0 +1,109 @@
+"""`tfimage doctor` against real files, the real plugin, srun and a real registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from support import Registry, need
+from tfimage.agent.cli import main
+from tfimage.agent.doctor import Context, exit_status, run_checks
+
+REPO = Path(__file__).resolve().parents[2]
+PLUGIN = REPO / "spank" / "build" / "spank_tfimage.so"
+
+
+def _node(tmp: Path, registry: Registry, *, flags: str = "Alloc", plugin: bool = True) -> Context:
+    need("srun", "ch-run", "squashfuse")
+    if plugin and not PLUGIN.exists():
+        pytest.skip(f"{PLUGIN} is not built (make spank)")
+    cfg = registry.write_site(tmp, runtime="charliecloud")
+    (tmp / "cache").mkdir(mode=0o755)
+    os.chmod(tmp / "cache", 0o755)  # noqa: S103 - what the role makes: readable, root-writable
+    for kind in ("prolog", "epilog"):
+        d = tmp / f"{kind}.d"
+        d.mkdir()
+        (d / "50-tfimage").write_text(f"#!/bin/sh\nexec /opt/tfimage/bin/tfimage-{kind}\n")
+    (tmp / "plugstack.conf").write_text(f"include {tmp}/plugstack.conf.d/*.conf\n")
+    (tmp / "plugstack.conf.d").mkdir()
+    if plugin:
+        (tmp / "plugstack.conf.d" / "tfimage.conf").write_text(
+            f"required {PLUGIN} helper={shutil.which('true')} config={cfg}\n"
+        )
+    (tmp / "slurm.conf").write_text(
+        "ClusterName=doctor\nSlurmctldHost=localhost\n"
+        f"PlugStackConfig={tmp}/plugstack.conf\n"
+        f"Prolog={tmp}/prolog.d/*\nEpilog={tmp}/epilog.d/*\n"
+        + (f"PrologFlags={flags}\n" if flags else "")
+        + "NodeName=n1 CPUs=1\nPartitionName=p Nodes=n1\n"
+    )
+    (tmp / "fuse.conf").write_text("# site\nuser_allow_other\n")
+    return Context(cfg, tmp / "slurm.conf", fuse_conf=tmp / "fuse.conf")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the cache must be root-owned: run as root")
+def test_a_node_in_order_exits_0(tmp_path: Path, registry: Registry) -> None:
+    findings = run_checks(_node(tmp_path, registry))
+    bad = [f for f in findings if f.level not in ("ok", "info")]
+    assert bad == [] and exit_status(findings) == 0
+    text = {f.message for f in findings}
+    assert f"{registry.host} reachable, credentials accepted" in text
+    assert "srun --help lists --tf-image: Slurm loads the plugin" in text
+    assert any(m.startswith("Prolog runs tfimage-prolog") for m in text)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the cache must be root-owned: run as root")
+def test_each_fault_is_an_error_with_a_fix(tmp_path: Path, registry: Registry) -> None:
+    ctx = _node(tmp_path, registry, flags="Contain", plugin=False)
+    os.chmod(tmp_path / "cache", 0o777)  # noqa: S103 - the fault under test
+    (tmp_path / "fuse.conf").write_text("#user_allow_other\n")
+    creds = tmp_path / "credentials.yaml"
+    creds.write_text(creds.read_text().replace(registry.password, "wrong-password"))
+    (tmp_path / "epilog.d" / "50-tfimage").unlink()
+    findings = run_checks(ctx)
+    errors = {(f.check, f.message) for f in findings if f.level == "error"}
+    assert exit_status(findings) == 2
+    assert ("hooks", "PrologFlags lacks Alloc: images are pulled too late") in errors
+    assert ("cache", f"{tmp_path / 'cache'} is writable by others (mode 0777)") in errors
+    assert ("runtime", f"{tmp_path / 'fuse.conf'} lacks user_allow_other") in errors
+    assert any(c == "plugin" and "no spank_tfimage.so line" in m for c, m in errors)
+    assert any(c == "hooks" and m.startswith("no script of Epilog=") for c, m in errors)
+    assert any(c == "registry" and "authentication refused" in m for c, m in errors)
+    assert "wrong-password" not in repr(findings)
+    assert all(f.fix for f in findings if f.level == "error")
+
+
+def test_json_and_exit_code_from_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(
+        [
+            "--config",
+            str(tmp_path / "missing.yaml"),
+            "doctor",
+            "--json",
+            "--login",
+            "--slurm-conf",
+            str(tmp_path / "slurm.conf"),
+        ]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 2 and report["status"] == "error"
+    assert {f["check"] for f in report["findings"]} == {"config", "plugin"}  # login: no node checks
+    assert report["findings"][0]["message"].endswith("missing.yaml: no such config file")
+
+
+def test_a_missing_cache_is_a_warning(tmp_path: Path, registry: Registry) -> None:
+    need("srun")
+    cfg = registry.write_site(tmp_path)
+    from tfimage.agent.doctor import check_cache, check_config
+
+    ctx = Context(cfg, tmp_path / "slurm.conf")
+    list(check_config(ctx))
+    found = list(check_cache(ctx))
+    assert [f.level for f in found] == ["warning"] and "does not exist yet" in found[0].message
+    assert exit_status(found) == 1

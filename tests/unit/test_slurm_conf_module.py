@@ -1,0 +1,74 @@
+"""The role's slurm.conf editor (deploy/ansible/.../library/tfimage_slurm_conf.py):
+the site's hooks keep running, and a second pass changes nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+MODULE = (
+    Path(__file__).resolve().parents[2]
+    / "deploy/ansible/roles/tfimage/library/tfimage_slurm_conf.py"
+)
+
+
+@pytest.fixture(scope="module")
+def mod() -> ModuleType:
+    pytest.importorskip(
+        "ansible", reason="ansible-core is not in this venv (make lint installs it)"
+    )
+    spec = importlib.util.spec_from_file_location("tfimage_slurm_conf", MODULE)
+    assert spec and spec.loader
+    m = importlib.util.module_from_spec(spec)
+    sys.modules["tfimage_slurm_conf"] = m
+    spec.loader.exec_module(m)
+    return m
+
+
+def test_unset_hooks_become_globs(mod: ModuleType) -> None:
+    text, extra = mod.plan(
+        "ClusterName=x\n", "/etc/slurm/prolog.d", "/etc/slurm/epilog.d", ["Alloc"]
+    )
+    assert text == (
+        "ClusterName=x\nProlog=/etc/slurm/prolog.d/*\nEpilog=/etc/slurm/epilog.d/*\nPrologFlags=Alloc\n"
+    )
+    assert extra["links"] == {}
+    assert extra["dirs"] == {"Prolog": "/etc/slurm/prolog.d", "Epilog": "/etc/slurm/epilog.d"}
+
+
+def test_a_site_program_keeps_running_first(mod: ModuleType) -> None:
+    before = "Prolog=/usr/local/sbin/site-prolog  # cleans /tmp\nprologflags=Contain,X11\n"
+    text, extra = mod.plan(before, "/p.d", "/e.d", ["Alloc"])
+    assert "#Prolog=/usr/local/sbin/site-prolog  # cleans /tmp  # tfimage: moved" in text
+    assert "\nProlog=/p.d/*\n" in text
+    assert extra["links"] == {"/p.d/00-site-prolog": "/usr/local/sbin/site-prolog"}
+    assert "PrologFlags=Contain,X11,Alloc\n" in text  # the site's flags kept, in order
+
+
+def test_a_site_glob_is_kept_and_used(mod: ModuleType) -> None:
+    before = "Prolog=/etc/site/prolog.d/*.sh\nEpilog=/etc/site/epilog.d/*\nPrologFlags=alloc\n"
+    text, extra = mod.plan(before, "/p.d", "/e.d", ["Alloc"])
+    assert text == before
+    assert extra["dirs"] == {"Prolog": "/etc/site/prolog.d", "Epilog": "/etc/site/epilog.d"}
+
+
+def test_the_last_setting_is_the_one_changed(mod: ModuleType) -> None:
+    before = "Prolog=/old\nNodeName=n1\nProlog=/newer\n"
+    text, extra = mod.plan(before, "/p.d", "/e.d", ["Alloc"])
+    assert text.startswith("Prolog=/old\nNodeName=n1\n#Prolog=/newer")
+    assert extra["links"] == {"/p.d/00-site-prolog": "/newer"}
+
+
+@pytest.mark.parametrize(
+    "before",
+    ["", "Prolog=/x\nEpilog=/y\n", "PrologFlags=Contain\nEpilog=/e/*\n", "prolog=/a # c\n"],
+)
+def test_a_second_pass_changes_nothing(mod: ModuleType, before: str) -> None:
+    once, _ = mod.plan(before, "/p.d", "/e.d", ["Alloc"])
+    twice, extra = mod.plan(once, "/p.d", "/e.d", ["Alloc"])
+    assert twice == once
+    assert extra["links"] == {}
