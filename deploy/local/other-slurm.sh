@@ -44,7 +44,8 @@ stage_wheels() {
     mkdir -p "$wheels"
     PIP_CONSTRAINT='' python3 -m pip download -q --only-binary=:all: --python-version "$pyver" \
         --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        --platform manylinux_2_28_x86_64 --platform any -d "$wheels" "$whl" >/dev/null
+        --platform manylinux_2_28_x86_64 --platform any -d "$wheels" "$whl" >"$CACHE/pip-download.log" 2>&1 \
+        || { tail -20 "$CACHE/pip-download.log" >&2; exit 1; }
     rm -f "$wheels"/tfimage-*.whl  # only its dependencies are cached
     rm -rf "$ROOT/usr/src/tfimage-wheels"
     mkdir -p "$ROOT/usr/src/tfimage-wheels"

@@ -56,7 +56,8 @@ chroot_ansible() {
             --only-binary=:all: --python-version "$pyver" --implementation cp \
             --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
             --platform manylinux_2_28_x86_64 --platform manylinux_2_34_x86_64 --platform any \
-            -d "$wheels" "$(grep '^ansible-core' "$REQS")" >/dev/null
+            -d "$wheels" "$(grep '^ansible-core' "$REQS")" >"$CACHE/pip-download.log" 2>&1 \
+            || { tail -20 "$CACHE/pip-download.log" >&2; die "downloading ansible-core for the chroot failed"; }
         touch "$wheels/.complete"
     fi
     if [ ! -x "$root/opt/ansible/bin/ansible-playbook" ]; then

@@ -111,15 +111,18 @@ def test_doctor_is_clean_on_each_node(cluster: Cluster, node: str) -> None:
     assert {"config", "plugin", "hooks", "runtime", "registry", "cache"} <= checks, checks
 
 
-def test_doctor_names_what_to_fix_when_the_prolog_is_gone(cluster: Cluster, tmp_path: Path) -> None:
+def test_doctor_names_what_to_fix_when_the_prolog_is_gone(cluster: Cluster) -> None:
     # A copy of the node's slurm.conf without the role's hooks: what a site sees when
     # someone rewrote slurm.conf from an old template.
     etc = cluster.state / "etc"
-    conf = tmp_path / "slurm.conf"
+    conf = cluster.state / "run" / "doctor-test-slurm.conf"  # seen by the nodes too
     text = (etc / "slurm.conf").read_text()
     text = re.sub(r"^(Prolog|Epilog|PrologFlags)=.*$", "", text, flags=re.M)
     conf.write_text(text + f"PlugStackConfig={etc}/plugstack.conf\n")
-    r = cluster.on_node("n1", ["/opt/tfimage/bin/tfimage", "doctor", "--slurm-conf", str(conf)])
+    try:
+        r = cluster.on_node("n1", ["/opt/tfimage/bin/tfimage", "doctor", "--slurm-conf", str(conf)])
+    finally:
+        conf.unlink()
     assert r.returncode == 2, r.stdout
     assert "ERROR    hooks     Prolog= is not set in slurm.conf" in r.stdout
     assert "fix: set Prolog=" in r.stdout
