@@ -38,7 +38,7 @@ from tfimage.agent.errors import (
 from tfimage.agent.reference import Reference
 from tfimage.agent.sif import has_magic
 
-if TYPE_CHECKING:  # the registry client (and requests) load only when a pull needs them
+if TYPE_CHECKING:  # the registry client (and its transport) load only when needed
     from tfimage.agent.registry import RegistryClient
 
 Progress = Callable[[int, int], None]
@@ -97,18 +97,26 @@ def prefetch(chunks: Iterator[bytes], depth: int = 4) -> Iterator[bytes]:
                 q.get_nowait()
 
 
-def client_for(cfg: Config, host: str) -> RegistryClient:
+def client_for(cfg: Config, host: str, *, light: bool = False) -> RegistryClient:
+    """A client for ``host`` with this node's credentials.  ``light``: the stdlib
+    transport, for a few small requests on the job-launch path (no ``requests``)."""
     from tfimage.agent.credentials import load_credentials
     from tfimage.agent.registry import RegistryClient
 
     path = credentials_file(cfg)
     creds = load_credentials(path) if path else {}
+    transport = None
+    if light:
+        from tfimage.agent.transport import StdlibTransport
+
+        transport = StdlibTransport()
     return RegistryClient(
         host,
         creds.get(host),
         ca_bundle=cfg.ca_bundle,
         connect_timeout=cfg.connect_timeout,
         read_timeout=cfg.read_timeout,
+        transport=transport,
     )
 
 

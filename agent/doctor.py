@@ -231,7 +231,7 @@ def check_registry(ctx: Context) -> Iterator[Finding]:
 
     for host in (ctx.cfg.registry, *ctx.cfg.mirrors):
         try:
-            client_for(ctx.cfg, host).ping()
+            client_for(ctx.cfg, host, light=True).ping()
         except TfimageError as e:
             yield Finding(
                 "registry", "error", str(e), "check the network, ca_bundle and the credentials file"

@@ -88,7 +88,7 @@ def pin(
         from tfimage.agent.cache import client_for
 
         def client_factory(host: str) -> RegistryClient:
-            return client_for(cfg, host)
+            return client_for(cfg, host, light=True)  # on srun's path: no requests
 
     store = store or last_seen_file()
     key = str(ref.unpinned)

@@ -3,7 +3,7 @@
 Why not oras-py's ``Registry``?  It sets no timeouts, retries for minutes on a
 wrong password, reuses one token across repositories and does not verify blob
 digests (see DESIGN.md).  This client does all four, and takes an injected
-``requests.Session`` so tests swap the transport instead of patching.
+``Transport`` (agent/transport.py) so tests swap the transport instead of patching.
 """
 
 from __future__ import annotations
@@ -12,16 +12,15 @@ import hashlib
 import json
 import re
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import requests
-import urllib3
-
 from tfimage.agent.credentials import Credential
 from tfimage.agent.errors import RegistryError, RegistryUnreachable, VerificationError
+from tfimage.agent.transport import Response, TLSError, Transport, TransportError
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -62,7 +61,7 @@ class RegistryClient:
         connect_timeout: float = 5.0,
         read_timeout: float = 30.0,
         attempts: int = 3,
-        session: requests.Session | None = None,
+        transport: Transport | None = None,
         scheme: str = "https",
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -72,8 +71,11 @@ class RegistryClient:
         self._base = f"{scheme}://{host}/v2"
         self._timeout = (connect_timeout, read_timeout)
         self._attempts = max(1, attempts)
-        self._session = session or requests.Session()
-        self._session.trust_env = False  # no proxies or netrc: only what config says
+        if transport is None:
+            from tfimage.agent.transport import RequestsTransport
+
+            transport = RequestsTransport()
+        self._transport = transport
         self._verify: str | bool = ca_bundle or True
         self._tokens: dict[str, str] = {}
         self._basic = False
@@ -81,7 +83,7 @@ class RegistryClient:
 
     # -- transport ---------------------------------------------------------------
 
-    def _send(self, method: str, url: str, scope: str, **kw: Any) -> requests.Response:
+    def _send(self, method: str, url: str, scope: str, **kw: Any) -> Response:
         """Send with auth, bounded retries on connection errors, 429 and 5xx."""
         authed_once = False
         attempt = 0
@@ -93,19 +95,18 @@ class RegistryClient:
                 (self._cred.username, self._cred.password) if self._basic and self._cred else None
             )
             try:
-                resp = self._session.request(
+                resp = self._transport.request(
                     method,
                     url,
                     headers=headers,
                     auth=auth,
                     timeout=self._timeout,
                     verify=self._verify,
-                    allow_redirects=True,
                     **kw,
                 )
-            except requests.exceptions.SSLError as e:
+            except TLSError as e:
                 raise RegistryError(f"{self.host}: TLS verification failed: {_short(e)}") from None
-            except (requests.ConnectionError, requests.Timeout) as e:
+            except TransportError as e:
                 attempt += 1
                 if attempt >= self._attempts:
                     raise RegistryUnreachable(f"{self.host}: unreachable: {_short(e)}") from None
@@ -140,7 +141,7 @@ class RegistryClient:
             delay = min(float(retry_after), 5.0)
         self._sleep(delay)
 
-    def _authenticate(self, resp: requests.Response, scope: str) -> None:
+    def _authenticate(self, resp: Response, scope: str) -> None:
         challenge = resp.headers.get("WWW-Authenticate", "")
         kind = challenge.split(" ", 1)[0].lower()
         if kind == "basic":
@@ -156,18 +157,27 @@ class RegistryClient:
             raise RegistryError(f"{self.host}: bearer realm must be https")
         query = {"service": params.get("service", ""), "scope": params.get("scope", scope)}
         auth = (self._cred.username, self._cred.password) if self._cred else None
+        sep = "&" if "?" in realm else "?"
         try:
-            tok = self._session.get(
-                realm, params=query, auth=auth, timeout=self._timeout, verify=self._verify
-            )
-        except requests.RequestException as e:
+            with self._transport.request(
+                "GET",
+                realm + sep + urllib.parse.urlencode(query),
+                headers={},
+                auth=auth,
+                timeout=self._timeout,
+                verify=self._verify,
+            ) as tok:
+                if tok.status_code != 200:
+                    raise RegistryError(f"{self.host}: token service refused ({tok.status_code})")
+                raw = _read_capped(tok, 1 << 20, "token")
+        except TransportError as e:
             raise RegistryError(f"{self.host}: token service unreachable: {_short(e)}") from None
-        if tok.status_code != 200:
-            raise RegistryError(f"{self.host}: token service refused ({tok.status_code})")
+        except VerificationError:
+            raise RegistryError(f"{self.host}: token service sent too much") from None
         try:
-            body = tok.json()
+            body = json.loads(raw)
             self._tokens[scope] = body.get("token") or body["access_token"]
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, AttributeError):
             raise RegistryError(f"{self.host}: token service sent no token") from None
 
     # -- reading -----------------------------------------------------------------
@@ -187,7 +197,6 @@ class RegistryClient:
             f"{self._base}/{repository}/manifests/{version}",
             scope,
             headers={"Accept": MANIFEST_ACCEPT},
-            stream=True,
         )
         with resp:
             if resp.status_code == 404:
@@ -196,7 +205,12 @@ class RegistryClient:
                 raise RegistryError(
                     f"{self.host}/{repository}: manifest request failed ({resp.status_code})"
                 )
-            raw = _read_capped(resp, MAX_MANIFEST, "manifest")
+            try:
+                raw = _read_capped(resp, MAX_MANIFEST, "manifest")
+            except TransportError as e:
+                raise RegistryUnreachable(
+                    f"{self.host}: manifest read broke off: {_short(e)}"
+                ) from None
         digest = sha256_digest(raw)
         if version.startswith("sha256:") and digest != version:
             raise VerificationError(f"{self.host}/{repository}: manifest digest mismatch")
@@ -224,7 +238,6 @@ class RegistryClient:
             f"{self._base}/{repository}/blobs/{digest}",
             f"repository:{repository}:pull",
             headers=headers,
-            stream=True,
         )
         with resp:
             if resp.status_code not in ((200, 206) if offset else (200,)):
@@ -241,16 +254,14 @@ class RegistryClient:
                 )
             skip = offset - start
             try:
-                # Straight from the socket in big reads: requests' iter_content loop,
-                # not the hash, is what limits a naive verified download.
-                for chunk in iter(lambda: resp.raw.read(CHUNK, decode_content=False), b""):
+                for chunk in iter(lambda: resp.read(CHUNK), b""):
                     if skip:
                         cut = min(skip, len(chunk))
                         chunk, skip = chunk[cut:], skip - cut
                         if not chunk:
                             continue
                     yield chunk
-            except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
+            except TransportError as e:
                 raise RegistryUnreachable(f"{self.host}: download broke off: {_short(e)}") from None
 
     # -- writing (admins and the local cluster push images with these) --------------
@@ -352,12 +363,12 @@ class _FileBody:
             yield chunk
 
 
-def _read_capped(resp: requests.Response, cap: int, what: str) -> bytes:
+def _read_capped(resp: Response, cap: int, what: str) -> bytes:
     length = resp.headers.get("Content-Length")
     if length and length.isdigit() and int(length) > cap:
         raise VerificationError(f"{what} is larger than {cap} bytes")
     buf = bytearray()
-    for chunk in resp.iter_content(65536):
+    for chunk in iter(lambda: resp.read(65536), b""):
         buf += chunk
         if len(buf) > cap:
             raise VerificationError(f"{what} is larger than {cap} bytes")

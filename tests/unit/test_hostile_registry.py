@@ -23,7 +23,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from tfimage.agent.cache import ImageCache
+from tfimage.agent.cache import ImageCache, client_for
 from tfimage.agent.config import load_config
 from tfimage.agent.errors import CacheError, RegistryUnreachable, VerificationError
 
@@ -145,8 +145,12 @@ def server(tls: Path) -> Iterator[Server]:
     s.httpd.shutdown()
 
 
-@pytest.fixture
-def cache_for(tmp_path: Path, tls: Path) -> Callable[[Server], ImageCache]:
+@pytest.fixture(params=["requests", "stdlib"])
+def cache_for(
+    request: pytest.FixtureRequest, tmp_path: Path, tls: Path
+) -> Callable[[Server], ImageCache]:
+    """A cache on the server, through each transport (agent/transport.py) in turn."""
+
     def make(s: Server) -> ImageCache:
         cfg = tmp_path / "config.yaml"
         cfg.write_text(
@@ -154,7 +158,9 @@ def cache_for(tmp_path: Path, tls: Path) -> Callable[[Server], ImageCache]:
             f"credentials: {tmp_path / 'none.yaml'}\ncache_dir: {tmp_path / 'cache'}\n"
             "read_timeout: 5\n"
         )
-        return ImageCache(load_config(cfg))
+        site = load_config(cfg)
+        light = request.param == "stdlib"
+        return ImageCache(site, client_factory=lambda host: client_for(site, host, light=light))
 
     return make
 

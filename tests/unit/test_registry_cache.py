@@ -17,16 +17,23 @@ from tfimage.agent.config import load_config
 from tfimage.agent.credentials import Credential
 from tfimage.agent.errors import ImageError, RegistryError
 from tfimage.agent.registry import RegistryClient
+from tfimage.agent.transport import RequestsTransport, StdlibTransport, Transport
 
 
-def client(reg: Registry, password: str | None = None) -> RegistryClient:
+def client(
+    reg: Registry, password: str | None = None, transport: Transport | None = None
+) -> RegistryClient:
     return RegistryClient(
         reg.host,
         Credential(reg.username, password or reg.password),
         ca_bundle=str(reg.ca),
         connect_timeout=2,
         read_timeout=10,
+        transport=transport,
     )
+
+
+TRANSPORTS = pytest.mark.parametrize("transport", [RequestsTransport, StdlibTransport])
 
 
 def test_push_then_pull_through_cache(
@@ -53,8 +60,11 @@ def test_push_then_pull_through_cache(
     assert f"{registry.host}/library/cachetest:1.0" in entry["refs"]
 
 
-def test_manifest_by_digest(registry: Registry, make_sif: Callable[..., Path]) -> None:
-    c = client(registry)
+@TRANSPORTS
+def test_manifest_by_digest(
+    registry: Registry, make_sif: Callable[..., Path], transport: type[Transport]
+) -> None:
+    c = client(registry, transport=transport())
     real = c.push_sif("library/digestcheck", "1", make_sif({"a": "1"}))
     assert c.manifest("library/digestcheck", real).digest == real
     assert c.manifest("library/digestcheck", "1").digest == real
@@ -62,10 +72,11 @@ def test_manifest_by_digest(registry: Registry, make_sif: Callable[..., Path]) -
         c.manifest("library/digestcheck", "sha256:" + "0" * 64)
 
 
-def test_wrong_password_fails_fast(registry: Registry) -> None:
+@TRANSPORTS
+def test_wrong_password_fails_fast(registry: Registry, transport: type[Transport]) -> None:
     started = time.monotonic()
     with pytest.raises(RegistryError, match="authentication refused") as e:
-        client(registry, password="wrong").manifest("library/anything", "1")
+        client(registry, "wrong", transport()).manifest("library/anything", "1")
     assert time.monotonic() - started < 2.0
     assert "wrong" not in str(e.value)
 
