@@ -12,16 +12,20 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tfimage.agent.cache import ImageCache
 from tfimage.agent.config import Config, load_config
 from tfimage.agent.errors import CacheError, TfimageError
+
+if TYPE_CHECKING:  # every `tfimage` call builds this parser: load the cache only when used
+    from tfimage.agent.cache import ImageCache
 
 Handler = Callable[[argparse.Namespace], int]
 
 
 def _cache(args: argparse.Namespace) -> ImageCache:
+    from tfimage.agent.cache import ImageCache
+
     return ImageCache(load_config(args.config))
 
 
