@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -127,3 +128,60 @@ def test_doctor_names_what_to_fix_when_the_prolog_is_gone(cluster: Cluster) -> N
     assert "ERROR    hooks     Prolog= is not set in slurm.conf" in r.stdout
     assert "fix: set Prolog=" in r.stdout
     assert "PrologFlags lacks Alloc" in r.stdout
+
+
+def test_a_login_node_gets_the_plugin_and_config_only(cluster: Cluster) -> None:
+    # A scratch "login node" layout (under the state dir, which the nodes see too):
+    # the same role with tfimage_node_type=login must leave slurm.conf alone and
+    # make no cache, prolog or timer, yet give Slurm the plugin and the helper its config.
+    scratch = cluster.state / "run" / "login-node"
+    shutil.rmtree(scratch, ignore_errors=True)
+    (scratch / "etc").mkdir(parents=True)
+    site_conf = (cluster.state / "etc" / "slurm.conf").read_text()
+    site_conf = re.sub(
+        r"^PlugStackConfig=.*$",
+        f"PlugStackConfig={scratch}/etc/plugstack.conf",
+        site_conf,
+        flags=re.M,
+    )
+    (scratch / "etc" / "slurm.conf").write_text(site_conf)
+    try:
+        r, counts, _ = _apply(
+            "-e",
+            "tfimage_node_type=login",
+            "-e",
+            f"tfimage_slurm_conf_dir={scratch}/etc",
+            "-e",
+            f"tfimage_config_dir={scratch}/etc/tfimage",
+            "-e",
+            f"tfimage_plugin_dir={scratch}/lib",
+            "-e",
+            f"tfimage_cache_dir={scratch}/cache",
+        )
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        assert counts.get("failed") == 0
+        assert (scratch / "etc" / "slurm.conf").read_text() == site_conf  # untouched
+        assert not (scratch / "etc" / "prolog.d").exists()
+        assert not (scratch / "cache").exists()
+        creds = scratch / "etc" / "tfimage" / "credentials.yaml"
+        assert creds.stat().st_mode & 0o777 == 0o600 and creds.stat().st_uid == 0
+        dropin = (scratch / "etc" / "plugstack.conf.d" / "tfimage.conf").read_text()
+        assert f"required {scratch}/lib/spank_tfimage.so" in dropin
+        doctor = cluster.on_node(
+            "n1",
+            [
+                "/opt/tfimage/bin/tfimage",
+                "--config",
+                f"{scratch}/etc/tfimage/config.yaml",
+                "doctor",
+                "--login",
+                "--slurm-conf",
+                f"{scratch}/etc/slurm.conf",
+                "--json",
+            ],
+        )
+        report = json.loads(doctor.stdout)
+        assert doctor.returncode == 0, report
+        assert {f["check"] for f in report["findings"]} == {"config", "plugin", "registry"}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
