@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import queue
@@ -221,6 +220,8 @@ class ImageCache:
         progress: Progress | None,
     ) -> None:
         tmp = self.root / "tmp" / f"{dest.stem}.partial"
+        import hashlib  # a cache hit, the launch path, never hashes
+
         h = hashlib.sha256()
         head = b""
         got = 0

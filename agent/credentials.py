@@ -17,8 +17,6 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from tfimage.agent.errors import CredentialsError
 
 
@@ -60,6 +58,8 @@ def load_credentials(path: str | Path) -> dict[str, Credential]:
         return {}
     if p.name.endswith(".json"):
         return _from_docker_config(p, text)
+    import yaml  # only here: the launch path mostly never reads credentials
+
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError:
