@@ -101,10 +101,11 @@ def test_docker_image_runs_converted(cluster: Cluster, workdir: Path, tmp_path: 
             f"--tf-image=docker://{repo}:1",
             "sh",
             "-c",
-            'echo "$(cat /etc/tfimage-test-image) $SLURMD_NODENAME"',
+            'echo "$(cat /etc/tfimage-test-image) $SLURMD_NODENAME FOO=$FOO"',
         ],
         cwd=workdir,
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
-    assert sorted(r.stdout.split("\n")[:-1]) == ["oci-marker n1", "oci-marker n2"]
+    # The image config's Env (FOO=bar) reaches the task, as under apptainer.
+    assert sorted(r.stdout.split("\n")[:-1]) == ["oci-marker n1 FOO=bar", "oci-marker n2 FOO=bar"]

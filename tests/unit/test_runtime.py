@@ -88,3 +88,15 @@ def test_apptainer_runs_a_real_sif_where_installed(
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "apptainer-test"
+
+
+def test_charliecloud_applies_the_image_environment_when_it_has_one(tmp_path: Path) -> None:
+    spec = StepSpec(workdir=None, home=None)
+    assert "--set-env" not in Charliecloud("/x/ch-run").prefix(tmp_path, spec)
+    (tmp_path / "ch").mkdir()
+    (tmp_path / "ch" / "environment").write_text("FOO=bar\n")
+    argv = Charliecloud("/x/ch-run").prefix(tmp_path, spec)
+    assert argv[:4] == ["/x/ch-run", "--no-passwd", "--env-no-expand", "--set-env"]
+    (tmp_path / "ch" / "environment").unlink()
+    (tmp_path / "ch" / "environment").symlink_to("/etc/hostname")
+    assert "--set-env" not in Charliecloud("/x/ch-run").prefix(tmp_path, spec)
