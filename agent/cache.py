@@ -129,7 +129,11 @@ class ImageCache:
     ) -> None:
         self.cfg = cfg
         self.root = Path(cfg.cache_dir)
-        self._client_factory = client_factory or (lambda host: client_for(cfg, host))
+        # Manifests through the light (stdlib) transport: the many callers that only
+        # resolve a tag, or wait on another's download, never import requests.  The
+        # one that downloads takes a pooled requests client for the blob.
+        self._client_factory = client_factory or (lambda host: client_for(cfg, host, light=True))
+        self._bulk_factory = client_factory or (lambda host: client_for(cfg, host))
 
     def _dirs(self) -> None:
         for sub in ("", "images", "locks", "tmp"):
@@ -193,7 +197,8 @@ class ImageCache:
                         )
                     elif not hit:
                         layer = sif_layer(manifest)
-                        self._download(client, ref, layer.digest, layer.size, path, progress)
+                        bulk = self._bulk_factory(host)
+                        self._download(bulk, ref, layer.digest, layer.size, path, progress)
                         blob = layer.digest
                 self._touch(pinned, manifest.digest, job=job, blob=blob)
             except RegistryUnreachable as e:
