@@ -185,3 +185,24 @@ def test_a_login_node_gets_the_plugin_and_config_only(cluster: Cluster) -> None:
         assert {f["check"] for f in report["findings"]} == {"config", "plugin", "registry"}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_a_change_reconfigures_slurm_and_an_unchanged_run_does_not(
+    cluster: Cluster, workdir: Path
+) -> None:
+    hook = cluster.state / "etc" / "prolog.d" / "50-tfimage"
+    hook.unlink()  # drift: someone removed tfimage's prolog
+    on = '{"tfimage_slurm_reconfigure": true}'
+    r, counts, _ = _apply("-e", on)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert counts["changed"] >= 1 and hook.exists()
+    assert "RUNNING HANDLER [tfimage : Reconfigure Slurm]" in r.stdout
+    r, counts, _ = _apply("-e", on)
+    assert counts.get("changed") == 0 and "RUNNING HANDLER" not in r.stdout
+    # Slurm took the reconfigure in its stride: the same daemons, jobs still run.
+    for node in ("n1", "n2"):
+        assert Path(f"/proc/{cluster.node_pid(node)}").exists()
+    job = cluster.run(
+        ["srun", "-N2", "--tf-image=tiny:1.0", "cat", "/etc/tfimage-test-image"], cwd=workdir
+    )
+    assert job.returncode == 0 and job.stdout.split() == ["tiny:1.0", "tiny:1.0"], job.stderr
