@@ -220,6 +220,15 @@ def cmd_config_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_daemon(args: argparse.Namespace) -> int:
+    from tfimage.agent.daemon import serve
+
+    if os.geteuid() != 0:
+        raise TfimageError("daemon: runs as root on a compute node")
+    cfg = _config(args)
+    return serve(Path(args.socket or Path(cfg.state_dir) / "daemon.sock"), cfg.hook_deadline)
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from tfimage.agent.doctor import Context, exit_status, run_checks
     from tfimage.agent.slurmconf import slurm_conf_path
@@ -296,6 +305,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cc.add_argument("--json", action="store_true", help="machine-readable output")
     cc.set_defaults(func=cmd_config_compile)
+
+    dm = sub.add_parser(
+        "daemon",
+        help="(root, compute node) serve the plugin's step-prepare from a warm process",
+        description="Listen on a root-only unix socket and answer the SPANK plugin's "
+        "step-prepare requests from an already started Python, forking a worker per "
+        "request. Optional: without it the plugin runs the helper itself.",
+    )
+    dm.add_argument("--socket", default="", help="socket path (default STATE_DIR/daemon.sock)")
+    dm.set_defaults(func=cmd_daemon)
 
     dr = sub.add_parser(
         "doctor",

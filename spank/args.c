@@ -36,6 +36,7 @@ int tfi_parse_args(int ac, char **av)
 	strcpy(tfi_conf.config, "/etc/tfimage/config.yaml");
 	tfi_conf.submit_timeout = 30;
 	tfi_conf.prepare_timeout = 900;
+	tfi_conf.daemon[0] = '\0';
 
 	for (int i = 0; i < ac; i++) {
 		const char *a = av[i];
@@ -45,6 +46,8 @@ int tfi_parse_args(int ac, char **av)
 			rc = set_path(tfi_conf.helper, a + 7, "helper");
 		else if (strncmp(a, "config=", 7) == 0)
 			rc = set_path(tfi_conf.config, a + 7, "config");
+		else if (strncmp(a, "daemon=", 7) == 0)
+			rc = set_path(tfi_conf.daemon, a + 7, "daemon");
 		else if (strncmp(a, "submit_timeout=", 15) == 0)
 			rc = set_secs(&tfi_conf.submit_timeout, a + 15, "submit_timeout");
 		else if (strncmp(a, "prepare_timeout=", 16) == 0)

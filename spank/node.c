@@ -160,7 +160,11 @@ static int prepare(void)
 	}
 	hargv[h] = NULL;
 
-	rc = tfi_run_helper(hargv, tfi_conf.prepare_timeout, &out, &len, err, sizeof(err));
+	/* The node's warm daemon when one runs (no Python start per step), else the helper. */
+	rc = tfi_daemon_call(tfi_conf.daemon, hargv, tfi_conf.prepare_timeout, &out, &len, err,
+			     sizeof(err));
+	if (rc == -2)
+		rc = tfi_run_helper(hargv, tfi_conf.prepare_timeout, &out, &len, err, sizeof(err));
 	for (int i = 0; i < 8; i++)
 		free(lay[i]);
 	if (rc == 0 && parse_answer(out, len) == 0) {

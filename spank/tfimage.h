@@ -5,6 +5,7 @@
  *   submit.c  srun/sbatch/salloc: check the reference, hand it to the job
  *   node.c    slurmstepd: ready the image (root), then wrap each task
  *   helper.c  running the Python helper with a deadline, output kept for errors
+ *   daemon.c  the same request to the node's warm tfimage daemon, when one runs
  *   args.c    plugstack.conf arguments
  * Every message starts with "tfimage:" and names the phase and the cause.
  */
@@ -26,6 +27,7 @@ struct tfi_conf {
 	char config[TFI_MAX_PATH];   /* site config passed to it */
 	int submit_timeout;          /* seconds for the submit-side check */
 	int prepare_timeout;         /* seconds for the node-side prepare */
+	char daemon[TFI_MAX_PATH];   /* tfimage daemon's socket ("" = always exec) */
 };
 
 struct tfi_state {
@@ -63,6 +65,12 @@ int tfi_parse_args(int ac, char **av);
  * failure to start; errbuf gets the child's last stderr line. */
 int tfi_run_helper(char *const argv[], int timeout_s, char **out, size_t *out_len,
 		   char *errbuf, size_t errlen);
+
+/* daemon.c: the same request to the node's tfimage daemon (argv[1..], the
+ * helper's arguments), same results; -2 when no daemon answers, so the caller
+ * runs the helper itself.  Only root-side callers use it. */
+int tfi_daemon_call(const char *sock, char *const argv[], int timeout_s, char **out,
+		    size_t *out_len, char *errbuf, size_t errlen);
 
 /* submit.c */
 int tfi_submit_init_post_opt(spank_t sp);

@@ -6,6 +6,7 @@
 #                     namespace; tfimage installed and wired in; images pushed.
 #   cluster.sh down   stops all of it: no process, mount, namespace or link left.
 #   cluster.sh status
+#   cluster.sh daemon N  start node N's tfimage daemon (after a test stopped it)
 #
 # SLURM_FLAVOR=host (default) runs this machine's Slurm; SLURM_FLAVOR=other runs the
 # other Debian generation's Slurm (22.05 <-> 24.11) from a cached chroot built by
@@ -377,6 +378,26 @@ deploy_role() {
     log "role applied in $((SECONDS - t0)) s: $(grep -E '^localhost +:' "$LOGS/ansible.log" | tr -s ' ')"
 }
 
+# The node's tfimage daemon (what the role's systemd unit runs on a real node), in
+# the node's own namespaces: its /run/tfimage, its /opt/tfimage.  Stopped with the
+# node (kill_ns_procs).  TFIMAGE_DAEMON=0 leaves it out: the plugin then runs the
+# helper for every step, as on a node where the daemon is down.
+start_daemon() {
+    local n=$1 pid
+    [ "${TFIMAGE_DAEMON:-1}" = 1 ] || return 0
+    pid=$(cat "$RUN/slurmd-$n.pid")
+    : >"$LOGS/daemon-$n.log"
+    env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin setsid nsenter -t "$pid" -m -u -n -- \
+        "$PREFIX/bin/tfimage" --config "$ETC/tfimage/config.yaml" daemon \
+        >>"$LOGS/daemon-$n.log" 2>&1 </dev/null &
+    for _ in $(seq 100); do
+        grep -q "daemon listening" "$LOGS/daemon-$n.log" 2>/dev/null && return 0
+        sleep 0.1
+    done
+    tail -5 "$LOGS/daemon-$n.log" >&2
+    die "the tfimage daemon on $n did not start"
+}
+
 start_slurm() {
     # A fresh controller state each time: the two Slurm generations write it differently.
     rm -rf "$STATE/ctld"
@@ -421,6 +442,7 @@ exec slurmd -D -N $n"
         ns=$(readlink "/proc/$(cat "$RUN/slurmd-$n.pid")/ns/mnt")
         [ "$ns" != "$(readlink /proc/self/ns/mnt)" ] || die "slurmd $n is not in a mount namespace of its own"
         echo "$ns" >"$RUN/$n.mntns"
+        start_daemon "$n"
     done
     export SLURM_CONF=$ETC/slurm.conf
     for _ in $(seq 150); do
@@ -494,5 +516,6 @@ case "${1:-}" in
     up) up ;;
     down) down ;;
     status) status ;;
-    *) echo "usage: cluster.sh up|down|status" >&2; exit 2 ;;
+    daemon) start_daemon "${2:?node}" ;;  # (re)start one node's tfimage daemon
+    *) echo "usage: cluster.sh up|down|status|daemon NODE" >&2; exit 2 ;;
 esac
