@@ -9,8 +9,9 @@ accelerator, never a dependency.
 
 Trust: the socket is created mode 0600 in a root-owned directory, and each peer's
 uid is checked (SO_PEERCRED): only root (slurmstepd) is served.  Only the
-``step-prepare`` command is accepted, its arguments parsed by the same strict CLI
-parser as the helper's.  Each worker runs under the config's hook deadline.
+``step-prepare`` command and the node hooks (``tfimage-prolog``/``-epilog``, via
+spank/hook.c) are accepted, their arguments parsed by the same strict parsers as
+when they run as programs.  Each worker runs under the config's hook deadline.
 
 Protocol: see spank/daemon.c.
 """
@@ -32,6 +33,8 @@ from tfimage.agent.errors import TfimageError
 MAGIC = b"TFI1\0"
 MAX_REQUEST = 1 << 20
 COMMANDS = frozenset({"step-prepare"})
+# The node hooks, run through spank/hook.c (tfimage-hook) from prolog.d/epilog.d.
+HOOKS = frozenset({"tfimage-prolog", "tfimage-epilog"})
 _ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C.UTF-8"}
 
 
@@ -69,10 +72,27 @@ def _read_request(conn: socket.socket) -> list[str]:
     if not data.startswith(MAGIC) or not data.endswith(b"\0"):
         raise TfimageError("daemon: malformed request")
     argv = [t.decode("utf-8", "surrogateescape") for t in data[len(MAGIC) : -1].split(b"\0")]
+    if argv and argv[0] in HOOKS:
+        return argv
     command = next((a for a in argv if not a.startswith("-") and a not in _option_values(argv)), "")
     if command not in COMMANDS:
         raise TfimageError(f"daemon: command {command[:40]!r} is not served")
     return argv
+
+
+def _run(argv: list[str]) -> int:
+    """The entry point a request names: a node hook, or the ``tfimage`` CLI."""
+    if argv and argv[0] == "tfimage-prolog":
+        from tfimage.prolog.main import main as prolog
+
+        return prolog(argv[1:])
+    if argv and argv[0] == "tfimage-epilog":
+        from tfimage.epilog.main import main as epilog
+
+        return epilog(argv[1:])
+    from tfimage.agent.cli import main
+
+    return main(argv)
 
 
 def _option_values(argv: list[str]) -> set[str]:
@@ -82,8 +102,6 @@ def _option_values(argv: list[str]) -> set[str]:
 
 def _work(conn: socket.socket) -> None:
     """In the forked worker: run one request with stdout and stderr captured."""
-    from tfimage.agent.cli import main
-
     started = time.monotonic()
     status, out, err = 70, b"", b""
     what = ["?"]
@@ -92,8 +110,9 @@ def _work(conn: socket.socket) -> None:
             print("tfimage: daemon: refused a non-root peer", file=sys.stderr, flush=True)
             return  # not root: say nothing
         argv = _read_request(conn)
-        what = [a for i, a in enumerate(argv) if i > 0 and argv[i - 1] in ("--job", "--step")]
-        what = ["step-prepare", "job", *what[:1], "step", *what[1:2]]
+        ids = [a for i, a in enumerate(argv) if i > 0 and argv[i - 1] in ("--job", "--step")]
+        what = [argv[0] if argv[0] in HOOKS else "step-prepare", "job", *ids[:1]]
+        what += ["step", *ids[1:2]] if len(ids) > 1 else []
         out_fd, err_fd = os.memfd_create("out"), os.memfd_create("err")
         saved = os.dup(1), os.dup(2)
         sys.stdout.flush()
@@ -102,7 +121,7 @@ def _work(conn: socket.socket) -> None:
         os.dup2(err_fd, 2)
         try:
             try:
-                status = main(argv)
+                status = _run(argv)
             except SystemExit as e:  # argparse's usage errors
                 status = e.code if isinstance(e.code, int) else 2
             sys.stdout.flush()
@@ -130,7 +149,9 @@ def serve(path: Path, deadline: float) -> int:
     # Everything a step needs, imported once, before the first request.
     import tfimage.agent.cli
     import tfimage.agent.step
-    import tfimage.agent.tfenv  # noqa: F401
+    import tfimage.agent.tfenv
+    import tfimage.epilog.main
+    import tfimage.prolog.main  # noqa: F401
 
     os.environ.clear()
     os.environ.update(_ENV)

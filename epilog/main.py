@@ -23,9 +23,11 @@ _JOB = re.compile(r"[0-9]{1,10}\Z")
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tfimage-epilog", description=__doc__)
     p.add_argument("--config", default=str(DEFAULT_PATH))
+    # Given explicitly when run through the node daemon (tfimage-hook).
+    p.add_argument("--job", default=os.environ.get("SLURM_JOB_ID", ""))
     args = p.parse_args(argv)
     log = hook_logger("epilog")
-    job_id = os.environ.get("SLURM_JOB_ID", "")
+    job_id = args.job
     if not _JOB.match(job_id):
         return 0
     try:

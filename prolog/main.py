@@ -34,11 +34,14 @@ def _alarm(signum: int, frame: FrameType | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tfimage-prolog", description=__doc__)
     p.add_argument("--config", default=str(DEFAULT_PATH))
+    # Given explicitly when run through the node daemon (tfimage-hook).
+    p.add_argument("--job", default=os.environ.get("SLURM_JOB_ID", ""))
+    p.add_argument("--image", default=os.environ.get("SPANK_TFIMAGE_IMAGE", ""))
     args = p.parse_args(argv)
     log = hook_logger("prolog")
 
-    image = os.environ.get("SPANK_TFIMAGE_IMAGE", "")
-    job_id = os.environ.get("SLURM_JOB_ID", "")
+    image = args.image
+    job_id = args.job
     if not image:
         return 0  # not a tfimage job: nothing to do
     if not _JOB.match(job_id):

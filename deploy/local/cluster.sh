@@ -239,12 +239,10 @@ install_tfimage() {
 }
 
 write_credentials() { # FILE OWNER: the robot account's credentials, mode 0600
-    (umask 077; cat >"$1" <<YML
-registries:
-  "$REGISTRY":
-    username: "$ROBOT"
-    password: "$(cat "$STATE/pki/robot.password")"
-YML
+    # JSON, which is YAML too (tfimage parses it without a YAML parser on srun's path).
+    (umask 077; cat >"$1" <<JSON
+{"registries": {"$REGISTRY": {"username": "$ROBOT", "password": "$(cat "$STATE/pki/robot.password")"}}}
+JSON
     )
     chown "$2" "$1"
 }

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,3 +51,15 @@ def test_docker_config_json(tmp_path: Path) -> None:
     p.chmod(0o600)
     c = load_credentials(p)["reg.site"]
     assert (c.username, c.password) == ("robot$x+y", "pw:with:colons")
+
+
+def test_json_syntax_is_read_without_a_yaml_parser(tmp_path: Path) -> None:
+    p = tmp_path / "credentials.yaml"
+    p.write_text('{"registries": {"h:5000": {"username": "robot$x+y", "password": "pw"}}}\n')
+    p.chmod(0o600)
+    code = (
+        "import sys; from tfimage.agent.credentials import load_credentials; "
+        f"c = load_credentials({str(p)!r}); print(c['h:5000'].username, 'yaml' in sys.modules)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.split() == ["robot$x+y", "False"]
