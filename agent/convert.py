@@ -45,9 +45,9 @@ def is_image_manifest(body: dict[str, object]) -> bool:
     )
 
 
-def _run(argv: list[str], what: str) -> str:
+def _run(argv: list[str], what: str, env: dict[str, str] | None = None) -> str:
     try:
-        return proc.run(argv, timeout=CONVERT_TIMEOUT, what=what)
+        return proc.run(argv, timeout=CONVERT_TIMEOUT, what=what, env=env)
     except RuntimeSetupError as e:
         raise ImageError(str(e)) from None
 
@@ -78,6 +78,30 @@ def _keep_metadata(rootfs: Path, config: dict[str, object]) -> None:
             p.write_text("")
 
 
+def apptainer_build(apptainer: str, work: Path) -> tuple[list[str], dict[str, str]]:
+    """``apptainer build`` of the OCI layout skopeo fetched (so apptainer needs neither
+    the credentials nor the CA), its cache and temporary files kept in ``work``."""
+    env = {"APPTAINER_CACHEDIR": str(work / "cache"), "APPTAINER_TMPDIR": str(work / "tmp")}
+    return [apptainer, "build", "--force", str(work / "img.sif"), f"oci:{work / 'oci'}:img"], env
+
+
+def _unpack_and_build(work: Path) -> None:
+    """Debian's tools: umoci unpacks, the config's metadata is kept, mksquashfs + siftool."""
+    _run(
+        ["umoci", "raw", "unpack", "--image", f"{work / 'oci'}:img", str(work / "rootfs")],
+        "unpacking the OCI image",
+    )
+    config = json.loads(
+        _run(
+            ["skopeo", "inspect", "--config", f"oci:{work / 'oci'}:img"],
+            "reading the image config",
+        )
+    )
+    _keep_metadata(work / "rootfs", config)
+    for argv in build_commands(work / "rootfs", work / "root.sqfs", work / "img.sif"):
+        _run(argv, "making the SIF")
+
+
 def oci_to_sif(
     ref: Reference,
     digest: str,
@@ -105,19 +129,14 @@ def oci_to_sif(
             shutil.copy(ca_bundle, certs / "ca.crt")
             argv += ["--src-cert-dir", str(certs)]
         _run([*argv, source, f"oci:{work / 'oci'}:img"], "fetching the OCI image")
-        _run(
-            ["umoci", "raw", "unpack", "--image", f"{work / 'oci'}:img", str(work / "rootfs")],
-            "unpacking the OCI image",
-        )
-        config = json.loads(
-            _run(
-                ["skopeo", "inspect", "--config", f"oci:{work / 'oci'}:img"],
-                "reading the image config",
-            )
-        )
-        _keep_metadata(work / "rootfs", config)
-        for argv in build_commands(work / "rootfs", work / "root.sqfs", work / "img.sif"):
-            _run(argv, "making the SIF")
+        apptainer = shutil.which("apptainer", path=proc.SAFE_ENV["PATH"])
+        if apptainer:
+            build, env = apptainer_build(apptainer, work)
+            (work / "cache").mkdir()
+            (work / "tmp").mkdir()
+            _run(build, "building the SIF with apptainer", env)
+        else:
+            _unpack_and_build(work)
         sif = work / "img.sif"
         with sif.open("rb") as f:
             os.fsync(f.fileno())

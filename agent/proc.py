@@ -11,15 +11,18 @@ from tfimage.agent.errors import RuntimeSetupError
 SAFE_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
 
-def run(argv: Sequence[str], *, timeout: float, what: str) -> str:
-    """Run ``argv``; return stdout.  Failure or timeout raises with the tool's last line."""
+def run(
+    argv: Sequence[str], *, timeout: float, what: str, env: dict[str, str] | None = None
+) -> str:
+    """Run ``argv``; return stdout.  Failure or timeout raises with the tool's last line.
+    ``env`` adds to the fixed environment (a tool's own work directories, never a job's)."""
     try:
         done = subprocess.run(
             list(argv),
             capture_output=True,
             text=True,
             timeout=timeout,
-            env=SAFE_ENV,
+            env={**SAFE_ENV, **(env or {})},
             stdin=subprocess.DEVNULL,
             check=False,
         )

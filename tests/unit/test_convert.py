@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from support import Registry, need, push_oci_image
 from tfimage.agent import mounts
 from tfimage.agent.cache import ImageCache
 from tfimage.agent.config import load_config
+from tfimage.agent.convert import apptainer_build
 from tfimage.agent.sif import root_partition
 
 
@@ -41,3 +43,35 @@ def test_docker_reference_is_converted_and_cached(registry: Registry, tmp_path: 
         assert (img / "bin/busybox").stat().st_uid == 0  # -all-root
     finally:
         mounts.release_job(str(state), "1")
+
+
+def test_apptainer_builds_from_the_fetched_layout_without_credentials(tmp_path: Path) -> None:
+    argv, env = apptainer_build("/usr/bin/apptainer", tmp_path)
+    assert argv == [
+        "/usr/bin/apptainer",
+        "build",
+        "--force",
+        str(tmp_path / "img.sif"),
+        f"oci:{tmp_path / 'oci'}:img",
+    ]
+    # Its cache and scratch stay in the conversion's own directory (removed after).
+    assert env == {
+        "APPTAINER_CACHEDIR": str(tmp_path / "cache"),
+        "APPTAINER_TMPDIR": str(tmp_path / "tmp"),
+    }
+
+
+def test_apptainer_converts_a_real_image_where_installed(
+    registry: Registry, tmp_path: Path
+) -> None:
+    if not shutil.which("apptainer"):
+        pytest.skip(
+            "apptainer is not installed here (not packaged for Debian 12/13); "
+            "conversion used skopeo + umoci + mksquashfs + siftool above"
+        )
+    need("umoci", "skopeo")
+    push_oci_image(registry, tmp_path, "library/ocitest-apptainer")
+    cfg = load_config(registry.write_site(tmp_path))
+    got = ImageCache(cfg).ensure(cfg.reference("docker://ocitest-apptainer:1"))
+    with got.path.open("rb") as f:
+        assert root_partition(f, got.path.stat().st_size).size > 0
