@@ -44,9 +44,12 @@ def main(env: dict[str, str], runs: int) -> None:
     cfg = yaml.safe_load(cfg_path.read_text())
     creds = yaml.safe_load(Path(cfg["credentials"]).read_text())["registries"][cfg["registry"]]
     reg, ca = cfg["registry"], cfg["ca_bundle"]
-    py = sys.executable
+    # The pulls run in the tfimage a node runs (the role's venv, from this checkout's
+    # wheel), where there is one; the oras-py baseline runs in the same interpreter.
+    deployed = Path("/opt/tfimage/bin/python3")
+    py = str(deployed) if deployed.exists() else sys.executable
     from tfimage.agent.cache import ImageCache, client_for
-    from tfimage.agent.config import config_from_mapping
+    from tfimage.agent.config import compile_config, config_from_mapping
 
     ref_text = "tf-custom:2.0"
     base = config_from_mapping(cfg, cfg_path)
@@ -59,6 +62,7 @@ def main(env: dict[str, str], runs: int) -> None:
     def site(cache: Path) -> Path:
         p = work / f"cfg-{cache.name}.yaml"
         p.write_text(yaml.safe_dump({**cfg, "cache_dir": str(cache)}))
+        compile_config(p)  # as the role leaves a node's config
         return p
 
     ours = (
