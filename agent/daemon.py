@@ -62,13 +62,16 @@ def _peer_uid(conn: socket.socket) -> int:
     return int(struct.unpack("3i", creds)[1])
 
 
-def _read_request(conn: socket.socket) -> list[str]:
+def _read_request(conn: socket.socket) -> list[str] | None:
+    """The request's arguments; None for a probe (``tfimage doctor`` connects, sends nothing)."""
     conn.settimeout(10)
     data = b""
     while chunk := conn.recv(65536):
         data += chunk
         if len(data) > MAX_REQUEST:
             raise TfimageError("daemon: request too large")
+    if not data:
+        return None
     if not data.startswith(MAGIC) or not data.endswith(b"\0"):
         raise TfimageError("daemon: malformed request")
     argv = [t.decode("utf-8", "surrogateescape") for t in data[len(MAGIC) : -1].split(b"\0")]
@@ -109,7 +112,10 @@ def _work(conn: socket.socket) -> None:
         if _peer_uid(conn) != 0:
             print("tfimage: daemon: refused a non-root peer", file=sys.stderr, flush=True)
             return  # not root: say nothing
-        argv = _read_request(conn)
+        request = _read_request(conn)
+        if request is None:
+            return
+        argv = request
         ids = [a for i, a in enumerate(argv) if i > 0 and argv[i - 1] in ("--job", "--step")]
         what = [argv[0] if argv[0] in HOOKS else "step-prepare", "job", *ids[:1]]
         what += ["step", *ids[1:2]] if len(ids) > 1 else []
@@ -130,7 +136,8 @@ def _work(conn: socket.socket) -> None:
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
         out = os.pread(out_fd, MAX_REQUEST, 0)
-        err = os.pread(err_fd, 65536, 0)
+        size = os.fstat(err_fd).st_size
+        err = os.pread(err_fd, 65536, max(0, size - 65536))  # the tail explains
     except (TfimageError, OSError) as e:
         err = f"tfimage: {e}\n".encode()
         status = 70

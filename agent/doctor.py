@@ -114,6 +114,9 @@ def check_plugin(ctx: Context) -> Iterator[Finding]:
             f"helper={helper} is not executable",
             "install the tfimage venv or fix helper= in the drop-in",
         )
+    daemon = args.get("daemon", "")
+    if daemon and not ctx.login:
+        yield _daemon_finding(daemon)
     env = dict(os.environ, SLURM_CONF=str(ctx.slurm_conf))
     try:
         out = _run(["srun", "--help"], env)
@@ -133,6 +136,24 @@ def check_plugin(ctx: Context) -> Iterator[Finding]:
             f"srun --help does not list --tf-image {tail}".strip(),
             "check plugstack.conf and the plugin's build against this Slurm",
         )
+
+
+def _daemon_finding(path: str) -> Finding:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2)
+        try:
+            s.connect(path)
+        except OSError as e:
+            return Finding(
+                "daemon",
+                "warning",
+                f"no tfimage daemon answers on {path} ({e.strerror or e}): every step and "
+                "hook starts Python itself (slower, still correct)",
+                "start it: systemctl start tfimage-daemon (the role installs the unit)",
+            )
+    return Finding("daemon", "ok", f"tfimage daemon answers on {path}")
 
 
 def _hook(conf: dict[str, str], key: str, program: str) -> Finding:
