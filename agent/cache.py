@@ -67,6 +67,35 @@ def credentials_file(cfg: Config) -> Path | None:
     return None  # anonymous pulls
 
 
+WRITEBACK = 64 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """sync_file_range(SYNC_FILE_RANGE_WRITE): queue the range for writeback and
+    return at once (Linux; Python's os module lacks it).  Best effort: the fsync
+    before publishing is what makes the file durable."""
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.sync_file_range.argtypes = [
+                ctypes.c_int,
+                ctypes.c_int64,
+                ctypes.c_int64,
+                ctypes.c_uint,
+            ]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+_libc: Any = None
+
+
 def prefetch(chunks: Iterator[bytes], depth: int = 4) -> Iterator[bytes]:
     """Read ahead in a thread, so the network and the hash-and-write overlap
     (socket reads, sha256 and file writes all release the GIL)."""
@@ -247,6 +276,7 @@ class ImageCache:
                     out.truncate()
                     h, head, got = hashlib.sha256(), b"", 0
                 chunks = client.blob_chunks(ref.repository, digest, offset=got, size=size)
+                flushed = got
                 for chunk in prefetch(chunks):
                     got += len(chunk)
                     if got > size:
@@ -257,6 +287,12 @@ class ImageCache:
                         head += chunk[: 64 - len(head)]
                     h.update(chunk)
                     out.write(chunk)
+                    if got - flushed >= WRITEBACK:
+                        # Start writing back what has arrived, so the final fsync
+                        # does not wait for the whole image at once.
+                        out.flush()
+                        _start_writeback(out.fileno(), flushed, got - flushed)
+                        flushed = got
                     if progress:
                         progress(got, size)
                 if got != size:

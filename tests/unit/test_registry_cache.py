@@ -160,3 +160,15 @@ def test_first_registry_down_the_mirror_serves(
     got = ImageCache(cfg).ensure(cfg.reference("mirrored:1"))
     assert (got.source, got.ref.digest, got.ref.registry) == (registry.host, digest, "127.0.0.1:1")
     assert got.path.read_bytes() == sif.read_bytes()
+
+
+def test_writeback_hint_is_best_effort(tmp_path: Path) -> None:
+    from tfimage.agent.cache import _start_writeback
+
+    p = tmp_path / "blob"
+    with p.open("wb") as f:
+        f.write(b"x" * (1 << 20))
+        f.flush()
+        _start_writeback(f.fileno(), 0, 1 << 20)  # queued, returns at once
+    _start_writeback(987654, 0, 1)  # a bad descriptor: ignored, the fsync decides
+    assert p.stat().st_size == 1 << 20
