@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -172,15 +173,22 @@ def _compiled(p: Path, st: os.stat_result) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _parse_yaml(p: Path) -> dict[str, Any]:
-    import yaml
-
+@contextlib.contextmanager
+def _reading(p: Path) -> Iterator[None]:
+    """One message for a config file that can't be read, whatever step hit it."""
     try:
-        raw = p.read_text()
+        yield
     except FileNotFoundError:
         raise ConfigError(f"{p}: no such config file") from None
     except OSError as e:
         raise ConfigError(f"{p}: cannot read: {e.strerror}") from None
+
+
+def _parse_yaml(p: Path) -> dict[str, Any]:
+    import yaml
+
+    with _reading(p):
+        raw = p.read_text()
     try:
         data = yaml.safe_load(raw)
     except yaml.YAMLError as e:
@@ -194,12 +202,8 @@ def _parse_yaml(p: Path) -> dict[str, Any]:
 
 def load_config(path: str | Path | None = None) -> Config:
     p = Path(path) if path else DEFAULT_PATH
-    try:
+    with _reading(p):
         st = p.stat()
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: no such config file") from None
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read: {e.strerror}") from None
     data = _compiled(p, st)
     return config_from_mapping(_parse_yaml(p) if data is None else data, p)
 

@@ -28,20 +28,12 @@
 #define MAX_OUT (1 << 20)
 #define MAX_REQ (1 << 20)
 
-static long long mono_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* Wait for fd to be ready for `events` before the deadline: 1 ready, 0 timed out. */
 static int wait_fd(int fd, short events, long long deadline)
 {
 	for (;;) {
 		struct pollfd p = { fd, events, 0 };
-		long long left = deadline - mono_ms();
+		long long left = deadline - tfi_now_ms();
 		int rc;
 
 		if (left <= 0)
@@ -76,7 +68,7 @@ int tfi_daemon_call(const char *sock, char *const argv[], int timeout_s, char **
 		    size_t *out_len, char *errbuf, size_t errlen)
 {
 	struct sockaddr_un sa = { .sun_family = AF_UNIX };
-	long long deadline = mono_ms() + (long long)timeout_s * 1000;
+	long long deadline = tfi_now_ms() + (long long)timeout_s * 1000;
 	char *req = NULL, *buf = NULL;
 	size_t reqn = 5, cap = 65536, n = 0;
 	int fd, rc = -2;
@@ -158,20 +150,7 @@ int tfi_daemon_call(const char *sock, char *const argv[], int timeout_s, char **
 			goto out;
 		}
 		errs = buf + 8;
-		/* the last line of stderr explains a failure, as with the helper */
-		{
-			size_t end = elen, start;
-
-			while (end > 0 && (errs[end - 1] == '\n' || errs[end - 1] == '\r'))
-				end--;
-			start = end;
-			while (start > 0 && errs[start - 1] != '\n')
-				start--;
-			if (end - start >= errlen)
-				start = end - (errlen - 1);
-			memcpy(errbuf, errs + start, end - start);
-			errbuf[end - start] = '\0';
-		}
+		tfi_last_line(errs, elen, errbuf, errlen); /* what explains a failure */
 		memmove(buf, buf + 8 + elen, n - 8 - elen);
 		*out_len = n - 8 - elen;
 		*out = buf;

@@ -17,7 +17,7 @@
 #define MAX_OUT (1 << 20)
 #define MAX_ERR 4096
 
-static long long now_ms(void)
+long long tfi_now_ms(void)
 {
 	struct timespec ts;
 
@@ -25,7 +25,7 @@ static long long now_ms(void)
 	return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-static void last_line(const char *buf, size_t len, char *dst, size_t dstlen)
+void tfi_last_line(const char *buf, size_t len, char *dst, size_t dstlen)
 {
 	size_t end = len, start;
 
@@ -50,7 +50,7 @@ int tfi_run_helper(char *const argv[], int timeout_s, char **out, size_t *out_le
 	size_t errn = 0, cap = 65536, n = 0;
 	char *buf;
 	pid_t pid;
-	long long deadline = now_ms() + (long long)timeout_s * 1000;
+	long long deadline = tfi_now_ms() + (long long)timeout_s * 1000;
 
 	*out = NULL;
 	*out_len = 0;
@@ -95,7 +95,7 @@ int tfi_run_helper(char *const argv[], int timeout_s, char **out, size_t *out_le
 
 	while (done < 2) {
 		struct pollfd fds[2] = { { po[0], POLLIN, 0 }, { pe[0], POLLIN, 0 } };
-		long long left = deadline - now_ms();
+		long long left = deadline - tfi_now_ms();
 		int rc;
 
 		if (left <= 0) {
@@ -166,7 +166,7 @@ int tfi_run_helper(char *const argv[], int timeout_s, char **out, size_t *out_le
 
 		if (w == pid || (w < 0 && errno != EINTR))
 			break;
-		if (now_ms() > deadline) {
+		if (tfi_now_ms() > deadline) {
 			kill(-pid, SIGKILL);
 			kill(pid, SIGKILL);
 			waitpid(pid, &status, 0);
@@ -176,7 +176,7 @@ int tfi_run_helper(char *const argv[], int timeout_s, char **out, size_t *out_le
 		}
 		usleep(2000);
 	}
-	last_line(errtail, errn, errbuf, errlen);
+	tfi_last_line(errtail, errn, errbuf, errlen);
 	*out = buf;
 	*out_len = n;
 	if (WIFEXITED(status))

@@ -66,6 +66,11 @@ int tfi_parse_args(int ac, char **av);
 int tfi_run_helper(char *const argv[], int timeout_s, char **out, size_t *out_len,
 		   char *errbuf, size_t errlen);
 
+/* helper.c also: a monotonic clock in ms, and the last non-empty line of buf
+ * (what explains a failure), cut to fit dst */
+long long tfi_now_ms(void);
+void tfi_last_line(const char *buf, size_t len, char *dst, size_t dstlen);
+
 /* daemon.c: the same request to the node's tfimage daemon (argv[1..], the
  * helper's arguments), same results; -2 when no daemon answers, so the caller
  * runs the helper itself.  Only root-side callers use it. */
