@@ -212,9 +212,7 @@ def cmd_config_compile(args: argparse.Namespace) -> int:
 
     try:
         out = compile_config(args.config)
-    except FileNotFoundError:
-        raise TfimageError(f"{args.config}: no such config file") from None
-    except OSError as e:
+    except OSError as e:  # writing the JSON beside it; reading is ConfigError
         raise TfimageError(f"{args.config}: cannot compile: {e.strerror}") from None
     _emit(args, {"config": args.config, "compiled": str(out)}, f"compiled {args.config} -> {out}")
     return 0

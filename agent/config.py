@@ -214,7 +214,8 @@ def compile_config(path: str | Path | None = None) -> Path:
     import tempfile
 
     p = Path(path) if path else DEFAULT_PATH
-    st = p.stat()
+    with _reading(p):
+        st = p.stat()
     data = _parse_yaml(p)
     config_from_mapping(data, p)  # never compile what would not load
     out = compiled_path(p)

@@ -42,6 +42,9 @@ class Context:
     login: bool = False
     fuse_conf: Path = Path("/etc/fuse.conf")
     cfg: Config | None = None
+    # slurm.conf, read once for every check that needs it
+    slurm: dict[str, str] | None = None
+    slurm_error: str = ""
 
 
 def exit_status(findings: list[Finding]) -> int:
@@ -64,16 +67,19 @@ def check_config(ctx: Context) -> Iterator[Finding]:
 
 
 def _slurm(ctx: Context) -> dict[str, str] | None:
-    try:
-        return read_slurm_conf(ctx.slurm_conf)
-    except OSError as e:
-        return {"__error__": f"{ctx.slurm_conf}: {e.strerror}"}
+    """slurm.conf's settings, or None (and ``ctx.slurm_error``) when it can't be read."""
+    if ctx.slurm is None and not ctx.slurm_error:
+        try:
+            ctx.slurm = read_slurm_conf(ctx.slurm_conf)
+        except OSError as e:
+            ctx.slurm_error = f"{ctx.slurm_conf}: {e.strerror}"
+    return ctx.slurm
 
 
 def check_plugin(ctx: Context) -> Iterator[Finding]:
-    conf = _slurm(ctx) or {}
-    if "__error__" in conf:
-        yield Finding("plugin", "error", conf["__error__"], "set SLURM_CONF or install Slurm")
+    conf = _slurm(ctx)
+    if conf is None:
+        yield Finding("plugin", "error", ctx.slurm_error, "set SLURM_CONF or install Slurm")
         return
     plugstack = Path(conf.get("plugstackconfig") or ctx.slurm_conf.parent / "plugstack.conf")
     try:
@@ -181,9 +187,9 @@ def _hook(conf: dict[str, str], key: str, program: str) -> Finding:
 
 
 def check_hooks(ctx: Context) -> Iterator[Finding]:
-    conf = _slurm(ctx) or {}
-    if "__error__" in conf:
-        return
+    conf = _slurm(ctx)
+    if conf is None:
+        return  # check_plugin reported it
     yield _hook(conf, "Prolog", "tfimage-prolog")
     yield _hook(conf, "Epilog", "tfimage-epilog")
     flags = [f.strip().lower() for f in conf.get("prologflags", "").split(",")]

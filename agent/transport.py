@@ -19,7 +19,7 @@ import http.client
 import ssl
 import urllib.parse
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 Body = bytes | Iterable[bytes] | None
 
@@ -80,7 +80,20 @@ def basic_auth(auth: tuple[str, str]) -> str:
 # -- http.client --------------------------------------------------------------------
 
 
-class _StdlibResponse:
+class _Closing:
+    """``with response:`` closes it, for both transports' responses."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _StdlibResponse(_Closing):
     def __init__(self, resp: http.client.HTTPResponse, conn: http.client.HTTPConnection) -> None:
         self._resp = resp
         self._conn = conn
@@ -109,12 +122,6 @@ class _StdlibResponse:
             except (OSError, http.client.HTTPException):
                 self._conn.close()
         self._resp.close()
-
-    def __enter__(self) -> _StdlibResponse:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -198,7 +205,7 @@ class StdlibTransport:
 # -- requests -------------------------------------------------------------------------
 
 
-class _RequestsResponse:
+class _RequestsResponse(_Closing):
     def __init__(self, resp: Any) -> None:
         self._resp = resp
         self.status_code: int = resp.status_code
@@ -220,12 +227,6 @@ class _RequestsResponse:
 
     def close(self) -> None:
         self._resp.close()
-
-    def __enter__(self) -> _RequestsResponse:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class RequestsTransport:
@@ -264,13 +265,10 @@ class RequestsTransport:
             )
         except requests.exceptions.SSLError as e:
             raise TLSError(_first_line(e)) from None
-        except (requests.ConnectionError, requests.Timeout) as e:
-            raise TransportError(_first_line(e)) from None
-        except requests.RequestException as e:
+        except requests.RequestException as e:  # connection, timeout and the rest
             raise TransportError(_first_line(e)) from None
         return _RequestsResponse(resp)
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return text
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
