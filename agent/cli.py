@@ -222,9 +222,11 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from tfimage.agent.daemon import serve
 
     if os.geteuid() != 0:
-        raise TfimageError("daemon: runs as root on a compute node")
+        raise TfimageError("daemon: runs as root on a compute or login node")
     cfg = _config(args)
-    return serve(Path(args.socket or Path(cfg.state_dir) / "daemon.sock"), cfg.hook_deadline)
+    state = Path(cfg.state_dir)
+    resolve = None if args.no_resolver else Path(args.resolve_socket or state / "resolve.sock")
+    return serve(Path(args.socket or state / "daemon.sock"), cfg.hook_deadline, cfg, resolve)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -306,12 +308,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser(
         "daemon",
-        help="(root, compute node) serve the plugin's step-prepare from a warm process",
-        description="Listen on a root-only unix socket and answer the SPANK plugin's "
-        "step-prepare requests from an already started Python, forking a worker per "
-        "request. Optional: without it the plugin runs the helper itself.",
+        help="(root, compute and login nodes) answer the plugin from a warm process",
+        description="Listen on a root-only unix socket for the SPANK plugin's step-prepare "
+        "and the node hooks, and on a socket open to every local user for pinning at "
+        "submit, answering each request from a worker forked off an already started "
+        "Python. Optional: without it the plugin runs the helper itself.",
     )
     dm.add_argument("--socket", default="", help="socket path (default STATE_DIR/daemon.sock)")
+    dm.add_argument(
+        "--resolve-socket",
+        default="",
+        help="users' pinning socket (default STATE_DIR/resolve.sock)",
+    )
+    dm.add_argument("--no-resolver", action="store_true", help="serve no pinning for users")
     dm.set_defaults(func=cmd_daemon)
 
     dr = sub.add_parser(

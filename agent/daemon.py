@@ -13,6 +13,11 @@ uid is checked (SO_PEERCRED): only root (slurmstepd) is served.  Only the
 spank/hook.c) are accepted, their arguments parsed by the same strict parsers as
 when they run as programs.  Each worker runs under the config's hook deadline.
 
+A second socket, ``resolve.sock`` (mode 0666), serves every local user one thing:
+pinning a reference at submit (see resolver.py for its request and its trust).
+At most ``MAX_RESOLVERS`` of those run at once; beyond that a request is answered
+"busy" at once and the plugin pins by itself.
+
 Protocol: see spank/daemon.c.
 """
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import selectors
 import signal
 import socket
 import stat
@@ -28,9 +34,12 @@ import sys
 import time
 from pathlib import Path
 
+from tfimage.agent.config import Config
 from tfimage.agent.errors import TfimageError
 
 MAGIC = b"TFI1\0"
+MAX_RESOLVERS = 16
+RESOLVE_DEADLINE = 60  # seconds; the plugin gives up sooner (submit_timeout)
 MAX_REQUEST = 1 << 20
 COMMANDS = frozenset({"step-prepare"})
 # The node hooks, run through spank/hook.c (tfimage-hook) from prolog.d/epilog.d.
@@ -38,7 +47,7 @@ HOOKS = frozenset({"tfimage-prolog", "tfimage-epilog"})
 _ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C.UTF-8"}
 
 
-def _bind(path: Path) -> socket.socket:
+def _bind(path: Path, mode: int = 0o600) -> socket.socket:
     parent = path.parent
     st = parent.stat()
     if st.st_uid != 0 or st.st_mode & 0o022:
@@ -52,7 +61,7 @@ def _bind(path: Path) -> socket.socket:
         s.bind(str(path))
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
+    os.chmod(path, mode)
     s.listen(64)
     return s
 
@@ -62,19 +71,26 @@ def _peer_uid(conn: socket.socket) -> int:
     return int(struct.unpack("3i", creds)[1])
 
 
-def _read_request(conn: socket.socket) -> list[str] | None:
-    """The request's arguments; None for a probe (``tfimage doctor`` connects, sends nothing)."""
-    conn.settimeout(10)
+def _read_argv(conn: socket.socket, limit: int, timeout: float) -> list[str] | None:
+    """A request's arguments; None for a probe (``tfimage doctor`` connects, sends nothing)."""
+    conn.settimeout(timeout)
     data = b""
     while chunk := conn.recv(65536):
         data += chunk
-        if len(data) > MAX_REQUEST:
+        if len(data) > limit:
             raise TfimageError("daemon: request too large")
     if not data:
         return None
     if not data.startswith(MAGIC) or not data.endswith(b"\0"):
         raise TfimageError("daemon: malformed request")
-    argv = [t.decode("utf-8", "surrogateescape") for t in data[len(MAGIC) : -1].split(b"\0")]
+    return [t.decode("utf-8", "surrogateescape") for t in data[len(MAGIC) : -1].split(b"\0")]
+
+
+def _read_request(conn: socket.socket) -> list[str] | None:
+    """A root peer's request: a node hook or ``step-prepare``, nothing else."""
+    argv = _read_argv(conn, MAX_REQUEST, 10)
+    if argv is None:
+        return None
     if argv and argv[0] in HOOKS:
         return argv
     command = next((a for a in argv if not a.startswith("-") and a not in _option_values(argv)), "")
@@ -141,9 +157,7 @@ def _work(conn: socket.socket) -> None:
     except (TfimageError, OSError) as e:
         err = f"tfimage: {e}\n".encode()
         status = 70
-    header = struct.pack(">iI", status, len(err))
-    with contextlib.suppress(OSError):
-        conn.sendall(header + err + out)
+    _answer(conn, status, err, out)
     took = (time.monotonic() - started) * 1000
     print(
         f"tfimage: daemon: {' '.join(what)[:200]} -> {status} in {took:.0f} ms",
@@ -152,32 +166,104 @@ def _work(conn: socket.socket) -> None:
     )
 
 
-def serve(path: Path, deadline: float) -> int:
+def _resolve(conn: socket.socket, cfg: Config) -> None:
+    """In the forked worker: pin one reference for any local user (resolver.py)."""
+    from tfimage.agent import resolver
+
+    started = time.monotonic()
+    uid = -1
+    status, out, err = resolver.RETRY_YOURSELF, "", ""
+    try:
+        uid = _peer_uid(conn)
+        argv = _read_argv(conn, resolver.MAX_REQUEST, 2)
+        if argv is None:
+            return
+        status, out, err = resolver.answer(cfg, resolver.parse_request(argv))
+    except (TfimageError, OSError) as e:
+        err = f"tfimage: {e}\n"
+    _answer(conn, status, err.encode(), out.encode())
+    took = (time.monotonic() - started) * 1000
+    print(f"tfimage: daemon: resolve uid {uid} -> {status} in {took:.0f} ms", file=sys.stderr)
+
+
+def _answer(conn: socket.socket, status: int, err: bytes, out: bytes) -> None:
+    with contextlib.suppress(OSError):
+        conn.sendall(struct.pack(">iI", status, len(err)) + err + out)
+
+
+def _reap(children: set[int]) -> None:
+    while children:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            children.clear()
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+
+
+def serve(path: Path, deadline: float, cfg: Config, resolve_path: Path | None = None) -> int:
     # Everything a step needs, imported once, before the first request.
     import tfimage.agent.cli
+    import tfimage.agent.pinning
+    import tfimage.agent.resolver
     import tfimage.agent.step
     import tfimage.agent.tfenv
+    import tfimage.agent.transport
     import tfimage.epilog.main
     import tfimage.prolog.main  # noqa: F401
 
     os.environ.clear()
     os.environ.update(_ENV)
-    sock = _bind(path)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
+    listeners = {_bind(path): "root"}
+    if resolve_path is not None:
+        listeners[_bind(resolve_path, 0o666)] = "resolve"
+    sel = selectors.DefaultSelector()
+    for sock, kind in listeners.items():
+        sock.setblocking(False)
+        sel.register(sock, selectors.EVENT_READ, (sock, kind))
+    resolvers: set[int] = set()
+    workers: set[int] = set()
     print(f"tfimage: daemon listening on {path}", file=sys.stderr, flush=True)
+    if resolve_path is not None:
+        print(f"tfimage: daemon resolving on {resolve_path}", file=sys.stderr, flush=True)
     while True:
-        try:
-            conn, _ = sock.accept()
-        except InterruptedError:
-            continue
-        pid = os.fork()
-        if pid == 0:
-            sock.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            signal.alarm(max(1, int(deadline)))
+        ready = sel.select(timeout=1.0)
+        _reap(workers)
+        resolvers &= workers
+        for key, _ in ready:
+            sock, kind = key.data
             try:
-                _work(conn)
-            finally:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                continue
+            conn.setblocking(True)
+            if kind == "resolve" and len(resolvers) >= MAX_RESOLVERS:
+                # A flood of users must not fork root processes without bound.  What
+                # the client sent is drained, never waited for: unread data would
+                # turn the answer into a reset (the plugin pins by itself either way).
+                with contextlib.suppress(OSError):
+                    conn.recv(MAX_REQUEST, socket.MSG_DONTWAIT)
+                _answer(conn, 75, b"tfimage: resolver: busy\n", b"")
                 conn.close()
-                os._exit(0)
-        conn.close()
+                continue
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                for s in listeners:
+                    s.close()
+                signal.alarm(max(1, int(deadline if kind == "root" else RESOLVE_DEADLINE)))
+                try:
+                    if kind == "root":
+                        _work(conn)
+                    else:
+                        _resolve(conn, cfg)
+                finally:
+                    conn.close()
+                    sys.stderr.flush()
+                    os._exit(0)
+            workers.add(pid)
+            if kind == "resolve":
+                resolvers.add(pid)
+            conn.close()

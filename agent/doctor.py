@@ -122,7 +122,10 @@ def check_plugin(ctx: Context) -> Iterator[Finding]:
         )
     daemon = args.get("daemon", "")
     if daemon and not ctx.login:
-        yield _daemon_finding(daemon)
+        yield _daemon_finding(daemon, "every step and hook starts Python itself")
+    resolver = args.get("resolver", "")
+    if resolver:
+        yield _daemon_finding(resolver, "every submission starts Python itself to pin")
     env = dict(os.environ, SLURM_CONF=str(ctx.slurm_conf))
     try:
         out = _run(["srun", "--help"], env)
@@ -144,7 +147,8 @@ def check_plugin(ctx: Context) -> Iterator[Finding]:
         )
 
 
-def _daemon_finding(path: str) -> Finding:
+def _daemon_finding(path: str, without: str) -> Finding:
+    """``without``: what happens while no daemon answers on ``path``."""
     import socket
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -155,8 +159,8 @@ def _daemon_finding(path: str) -> Finding:
             return Finding(
                 "daemon",
                 "warning",
-                f"no tfimage daemon answers on {path} ({e.strerror or e}): every step and "
-                "hook starts Python itself (slower, still correct)",
+                f"no tfimage daemon answers on {path} ({e.strerror or e}): {without} "
+                "(slower, still correct)",
                 "start it: systemctl start tfimage-daemon (the role installs the unit)",
             )
     return Finding("daemon", "ok", f"tfimage daemon answers on {path}")

@@ -5,7 +5,7 @@
  *   submit.c  srun/sbatch/salloc: check the reference, hand it to the job
  *   node.c    slurmstepd: ready the image (root), then wrap each task
  *   helper.c  running the Python helper with a deadline, output kept for errors
- *   daemon.c  the same request to the node's warm tfimage daemon, when one runs
+ *   daemon.c  the same request to the host's warm tfimage daemon, when one runs
  *   args.c    plugstack.conf arguments
  * Every message starts with "tfimage:" and names the phase and the cause.
  */
@@ -28,6 +28,7 @@ struct tfi_conf {
 	int submit_timeout;          /* seconds for the submit-side check */
 	int prepare_timeout;         /* seconds for the node-side prepare */
 	char daemon[TFI_MAX_PATH];   /* tfimage daemon's socket ("" = always exec) */
+	char resolver[TFI_MAX_PATH]; /* its users' pinning socket ("" = always exec) */
 };
 
 struct tfi_state {
@@ -71,9 +72,10 @@ int tfi_run_helper(char *const argv[], int timeout_s, char **out, size_t *out_le
 long long tfi_now_ms(void);
 void tfi_last_line(const char *buf, size_t len, char *dst, size_t dstlen);
 
-/* daemon.c: the same request to the node's tfimage daemon (argv[1..], the
+/* daemon.c: the same request to the host's tfimage daemon (argv[1..], the
  * helper's arguments), same results; -2 when no daemon answers, so the caller
- * runs the helper itself.  Only root-side callers use it. */
+ * runs the helper itself.  Root-side callers use its root-only socket, the
+ * submit side its resolver socket. */
 int tfi_daemon_call(const char *sock, char *const argv[], int timeout_s, char **out,
 		    size_t *out_len, char *errbuf, size_t errlen);
 

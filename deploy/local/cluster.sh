@@ -6,7 +6,7 @@
 #                     namespace; tfimage installed and wired in; images pushed.
 #   cluster.sh down   stops all of it: no process, mount, namespace or link left.
 #   cluster.sh status
-#   cluster.sh daemon N  start node N's tfimage daemon (after a test stopped it)
+#   cluster.sh daemon N  start node N's (or `login`: this host's) tfimage daemon
 #
 # SLURM_FLAVOR=host (default) runs this machine's Slurm; SLURM_FLAVOR=other runs the
 # other Debian generation's Slurm (22.05 <-> 24.11) from a cached chroot built by
@@ -87,6 +87,7 @@ down() {
         stop_pid "$RUN/slurmd-$n.pid"
         kill_ns_procs "$n"
     done
+    stop_pid "$RUN/daemon-login.pid"
     stop_pid "$RUN/slurmctld.pid"
     stop_pid "$RUN/registry.pid"
     stop_pid "$RUN/munged.pid"
@@ -396,6 +397,28 @@ start_daemon() {
     die "the tfimage daemon on $n did not start"
 }
 
+# The login node's daemon (this host, or the other Slurm's tree): srun, sbatch and
+# salloc here pin through its resolver socket instead of starting Python.
+# TFIMAGE_DAEMON=0 leaves it out too.
+start_login_daemon() {
+    local pre=()
+    [ "${TFIMAGE_DAEMON:-1}" = 1 ] || return 0
+    [ -z "$ROOT" ] || pre=(chroot "$ROOT")
+    stop_pid "$RUN/daemon-login.pid"
+    mkdir -p "$ROOT/run/tfimage"
+    : >"$LOGS/daemon-login.log"
+    env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin setsid "${pre[@]}" \
+        "$PREFIX/bin/tfimage" --config "$ETC/tfimage/config.yaml" daemon \
+        >>"$LOGS/daemon-login.log" 2>&1 </dev/null &
+    echo $! >"$RUN/daemon-login.pid"
+    for _ in $(seq 100); do
+        grep -q "daemon resolving" "$LOGS/daemon-login.log" 2>/dev/null && return 0
+        sleep 0.1
+    done
+    tail -5 "$LOGS/daemon-login.log" >&2
+    die "the login node's tfimage daemon did not start"
+}
+
 start_slurm() {
     # A fresh controller state each time: the two Slurm generations write it differently.
     rm -rf "$STATE/ctld"
@@ -497,6 +520,7 @@ up() {
     write_role_vars
     deploy_role
     start_slurm
+    start_login_daemon
     push_images
     write_env
     log "up: slurm $(SLURM_CONF=$ETC/slurm.conf in_root sinfo -V | awk '{print $2}') ($FLAVOR)," \
@@ -505,7 +529,7 @@ up() {
 }
 
 status() {
-    for f in munged registry slurmctld "${NODES[@]/#/slurmd-}"; do
+    for f in munged registry slurmctld daemon-login "${NODES[@]/#/slurmd-}"; do
         if alive "$RUN/$f.pid"; then echo "$f: running"; else echo "$f: stopped"; fi
     done
 }
@@ -514,6 +538,7 @@ case "${1:-}" in
     up) up ;;
     down) down ;;
     status) status ;;
-    daemon) start_daemon "${2:?node}" ;;  # (re)start one node's tfimage daemon
+    daemon)  # (re)start one node's tfimage daemon, or the login node's
+        if [ "${2:?node}" = login ]; then start_login_daemon; else start_daemon "$2"; fi ;;
     *) echo "usage: cluster.sh up|down|status|daemon NODE" >&2; exit 2 ;;
 esac

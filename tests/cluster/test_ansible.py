@@ -167,6 +167,8 @@ def test_a_login_node_gets_the_plugin_and_config_only(cluster: Cluster) -> None:
         assert creds.stat().st_mode & 0o777 == 0o600 and creds.stat().st_uid == 0
         dropin = (scratch / "etc" / "plugstack.conf.d" / "tfimage.conf").read_text()
         assert f"required {scratch}/lib/spank_tfimage.so" in dropin
+        # Login nodes pin at submit through the daemon; they prepare no steps.
+        assert " resolver=/run/tfimage/resolve.sock" in dropin and " daemon=" not in dropin
         doctor = cluster.on_node(
             "n1",
             [
@@ -182,7 +184,8 @@ def test_a_login_node_gets_the_plugin_and_config_only(cluster: Cluster) -> None:
         )
         report = json.loads(doctor.stdout)
         assert doctor.returncode == 0, report
-        assert {f["check"] for f in report["findings"]} == {"config", "plugin", "registry"}
+        checks = {f["check"] for f in report["findings"]}
+        assert checks == {"config", "plugin", "daemon", "registry"}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -9,10 +10,15 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from support import Registry
+from tfimage.agent.credentials import Credential
+from tfimage.agent.daemon import MAX_RESOLVERS
+from tfimage.agent.registry import RegistryClient
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the daemon runs as root: run as root")
 
@@ -30,32 +36,40 @@ def _ask(path: Path, *args: str) -> tuple[int, str, bytes]:
     return status, data[8 : 8 + elen].decode(), data[8 + elen :]
 
 
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+@contextlib.contextmanager
+def _started(tmp_path: Path, config: str) -> Iterator[tuple[Path, Path]]:
+    """A daemon on a config (``{run}``: its state dir); yields (its run dir, the config)."""
     # Under /run, not pytest's 0700 tmp: another uid must be able to reach the socket.
     run = Path(f"/run/tfimage-test-{os.getpid()}-{tmp_path.name}")
     run.mkdir()
     run.chmod(0o755)  # root-owned, searchable: what a node's /run/tfimage is
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"registry: r.example\nstate_dir: {run}\ncache_dir: {tmp_path / 'cache'}\n")
+    cfg.write_text(config.replace("{run}", str(run)))
     log = tmp_path / "daemon.log"
     p = subprocess.Popen(
         [sys.executable, "-m", "tfimage.agent.cli", "--config", str(cfg), "daemon"],
         stderr=log.open("w"),
     )
-    sock = run / "daemon.sock"
     for _ in range(100):
-        if sock.exists():
+        if "resolving on" in log.read_text():
             break
         time.sleep(0.05)
     try:
-        assert sock.exists(), log.read_text()
-        assert sock.stat().st_mode & 0o777 == 0o600
-        yield sock, cfg
+        assert (run / "resolve.sock").exists(), log.read_text()
+        assert (run / "daemon.sock").stat().st_mode & 0o777 == 0o600
+        assert (run / "resolve.sock").stat().st_mode & 0o777 == 0o666
+        yield run, cfg
     finally:
         p.kill()
         p.wait()
         shutil.rmtree(run, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    conf = f"registry: r.example\nstate_dir: {{run}}\ncache_dir: {tmp_path / 'cache'}\n"
+    with _started(tmp_path, conf) as (run, cfg):
+        yield run / "daemon.sock", cfg
 
 
 def test_step_prepare_answers_with_status_and_the_reason(daemon: tuple[Path, Path]) -> None:
@@ -114,3 +128,94 @@ def test_a_non_root_peer_gets_nothing(daemon: tuple[Path, Path], tmp_path: Path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "0"  # closed without a word
     assert "refused a non-root peer" in (tmp_path / "daemon.log").read_text()
+
+
+# --- the resolver socket: any local user, one request shape -------------------------
+
+ASK_AS_USER = """
+import socket, struct, sys
+s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
+s.sendall(b"TFI1\\0" + b"".join(a.encode() + b"\\0" for a in sys.argv[2:]))
+s.shutdown(socket.SHUT_WR)
+data = b""
+while chunk := s.recv(65536):
+    data += chunk
+status, n = struct.unpack(">iI", data[:8])
+print(status); print(data[8:8 + n].decode().strip()); print(data[8 + n:].decode().strip())
+"""
+
+
+@pytest.fixture
+def resolving(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> Iterator[tuple[Path, str]]:
+    up = RegistryClient(
+        registry.host, Credential(registry.username, registry.password), ca_bundle=str(registry.ca)
+    )
+    digest = up.push_sif("library/viad", "1", make_sif({"d": "1"}))
+    site = registry.write_site(tmp_path).read_text()
+    conf = "\n".join(
+        "state_dir: {run}" if line.startswith("state_dir:") else line
+        for line in site.splitlines()
+    )
+    with _started(tmp_path, conf + "\n") as (run, _):
+        yield run / "resolve.sock", digest
+
+
+def _as_nobody(sock: Path, *args: str) -> tuple[int, str, str]:
+    r = subprocess.run(
+        ["/usr/bin/python3", "-c", ASK_AS_USER, str(sock), *args],
+        user=65534,
+        group=65534,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    status, err, out = [*r.stdout.split("\n"), "", ""][:3]
+    return int(status), err, out
+
+
+def test_any_user_gets_a_tag_pinned(resolving: tuple[Path, str], registry: Registry) -> None:
+    sock, digest = resolving
+    args = ("submit-check", "--mounts", "", "--job-image", "", "--", "viad:1")
+    assert _as_nobody(sock, *args) == (0, "", f"{registry.host}/library/viad:1@{digest}")
+    status, err, out = _as_nobody(sock, *args[:-1], "Bad:Name:x")
+    assert status == 2 and out == "" and err.startswith("tfimage: ")
+
+
+def test_the_resolver_serves_nothing_else(resolving: tuple[Path, str], tmp_path: Path) -> None:
+    sock, _ = resolving
+    for args in (
+        ("--config", "/etc/shadow", "submit-check", "--mounts", "", "--job-image", "", "--", "x"),
+        ("step-prepare", "--job", "1", "--step", "0", "--uid", "0", "--image", "x"),
+        ("tfimage-prolog",),
+    ):
+        status, err, out = _as_nobody(sock, *args)
+        assert (status, out) == (75, "") and "malformed request" in err, args
+    assert "resolve uid 65534 -> 75" in (tmp_path / "daemon.log").read_text()
+
+
+def test_a_flood_of_users_is_answered_busy(resolving: tuple[Path, str]) -> None:
+    sock, _ = resolving
+    # Connections that never finish their request each hold a worker (for up to 2 s);
+    # once MAX_RESOLVERS are held, the next one is told "busy" at once, without a fork.
+    held = []
+    try:
+        for _ in range(MAX_RESOLVERS):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(str(sock))
+            c.sendall(b"TFI1\0")
+            held.append(c)
+        time.sleep(0.3)  # let the daemon accept them all
+        t = time.monotonic()
+        status, err, _ = _ask(sock, "submit-check", "--mounts", "", "--job-image", "", "--", "x")
+        assert status == 75 and "busy" in err
+        assert time.monotonic() - t < 1.0
+    finally:
+        for c in held:
+            c.close()
+    time.sleep(2.5)  # the held workers gave up; a request is served again
+    status, err, _ = _ask(sock, "submit-check", "--mounts", "", "--job-image", "", "--", "B A D")
+    assert status == 2, err

@@ -112,11 +112,11 @@ def test_a_missing_cache_is_a_warning(tmp_path: Path, registry: Registry) -> Non
 def test_a_configured_daemon_that_does_not_answer_is_a_warning(tmp_path: Path) -> None:
     from tfimage.agent.doctor import _daemon_finding
 
-    f = _daemon_finding(str(tmp_path / "daemon.sock"))
+    f = _daemon_finding(str(tmp_path / "daemon.sock"), "steps start Python")
     assert f.level == "warning" and "no tfimage daemon answers" in f.message and f.fix
     import socket
 
     with socket.socket(socket.AF_UNIX) as srv:
         srv.bind(str(tmp_path / "daemon.sock"))
         srv.listen(1)
-        assert _daemon_finding(str(tmp_path / "daemon.sock")).level == "ok"
+        assert _daemon_finding(str(tmp_path / "daemon.sock"), "steps start Python").level == "ok"

@@ -1,0 +1,86 @@
+"""Pinning for the submit side, served by the host's warm daemon.
+
+``srun --tf-image`` pins the tag before anything is queued.  As a fresh Python that
+costs ~100 ms of interpreter start and imports on every srun, sbatch and salloc;
+the daemon (``tfimage daemon``, already running on compute and login nodes) answers
+the same question in a few milliseconds from a warm process.  The plugin asks it
+first and runs the helper itself whenever the answer is anything but a pinned
+reference or a rejected input (spank/submit.c), so the resolver is an
+accelerator: a stopped daemon costs speed, never a submission.
+
+Trust: unlike the daemon's root-only socket, any local user may connect here,
+so a request is one fixed shape and nothing else::
+
+    submit-check --mounts M --job-image J -- REF
+
+(the daemon's own config is used; no path, option or command comes from the
+peer), bounded in size, parsed by the same strict parsers as everywhere.  The
+pin uses this host's credentials: it reveals only the digest a tag names now,
+which the same user learns by submitting a job, since the nodes pull with the
+same credentials.  What this host saw last for a tag is kept in
+``STATE_DIR/last-seen.json`` (until reboot) for when the registry is down.
+
+Answers: 0 and the pinned reference; 2 when the reference or mounts are wrong
+(final: the user's input is wrong whoever checks it); 75 for anything else (the
+registry refused this host's credentials, no answer and no remembered digest,
+a fault): the plugin then pins with the user's own credentials, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tfimage.agent.config import Config
+from tfimage.agent.errors import ReferenceError, TfimageError
+
+MAX_REQUEST = 16384
+MAX_FIELD = 4096
+RETRY_YOURSELF = 75  # EX_TEMPFAIL: the plugin pins with the user's own view instead
+
+
+class RequestError(TfimageError):
+    """A request not of the one accepted shape."""
+
+
+@dataclass(frozen=True)
+class ResolveRequest:
+    ref: str
+    mounts: str
+    job_image: str
+
+
+def parse_request(argv: list[str]) -> ResolveRequest:
+    """The one accepted shape, field by field; anything else is refused."""
+    if len(argv) != 7 or argv[0] != "submit-check" or argv[5] != "--":
+        raise RequestError("resolver: malformed request")
+    if argv[1] != "--mounts" or argv[3] != "--job-image":
+        raise RequestError("resolver: malformed request")
+    ref, mounts, job_image = argv[6], argv[2], argv[4]
+    for value in (ref, mounts, job_image):
+        if len(value) > MAX_FIELD or "\0" in value:
+            raise RequestError("resolver: malformed request")
+    if not ref:
+        raise RequestError("resolver: malformed request")
+    return ResolveRequest(ref=ref, mounts=mounts, job_image=job_image)
+
+
+def last_seen_store(cfg: Config) -> Path:
+    return Path(cfg.state_dir) / "last-seen.json"
+
+
+def answer(cfg: Config, req: ResolveRequest) -> tuple[int, str, str]:
+    """(status, stdout, stderr) for the plugin: see the module's docstring."""
+    from tfimage.agent.binds import parse_mounts
+    from tfimage.agent.pinning import pin
+
+    try:
+        ref = cfg.reference(req.ref)
+        parse_mounts(req.mounts, cfg.mount_prefixes)
+    except ReferenceError as e:
+        return 2, "", f"tfimage: {e}\n"
+    try:
+        pinned, warning = pin(cfg, ref, store=last_seen_store(cfg), job_image=req.job_image or None)
+    except TfimageError as e:
+        return RETRY_YOURSELF, "", f"tfimage: {e}\n"
+    return 0, f"{pinned}\n", f"tfimage: {warning}\n" if warning else ""

@@ -1,0 +1,94 @@
+"""The daemon's resolver for the submit side: its one request shape, and its answers
+against a real registry (pinned; input rejected: final; anything else: the plugin
+pins by itself)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from support import Registry
+from tfimage.agent.config import load_config
+from tfimage.agent.credentials import Credential
+from tfimage.agent.registry import RegistryClient
+from tfimage.agent.resolver import (
+    RETRY_YOURSELF,
+    RequestError,
+    ResolveRequest,
+    answer,
+    parse_request,
+)
+
+GOOD = ["submit-check", "--mounts", "", "--job-image", "", "--", "tiny:1"]
+
+
+def test_the_one_request_shape_is_accepted() -> None:
+    assert parse_request(GOOD) == ResolveRequest(ref="tiny:1", mounts="", job_image="")
+    req = parse_request(["submit-check", "--mounts", "/home/a:/a", "--job-image", "x", "--", "r"])
+    assert (req.mounts, req.job_image, req.ref) == ("/home/a:/a", "x", "r")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--config", "/etc/shadow", *GOOD],  # no path from the peer, ever
+        [*GOOD, "--offline"],
+        ["resolve", *GOOD[1:]],
+        ["step-prepare", *GOOD[1:]],
+        ["submit-check", "--job-image", "", "--mounts", "", "--", "tiny:1"],
+        ["submit-check", "--mounts", "", "--job-image", "", "x", "tiny:1"],
+        [*GOOD[:-1], ""],
+        [*GOOD[:-1], "a" * 5000],
+        ["submit-check", "--mounts", "a\0b", "--job-image", "", "--", "tiny:1"],
+    ],
+)
+def test_anything_else_is_refused(argv: list[str]) -> None:
+    with pytest.raises(RequestError, match="malformed request"):
+        parse_request(argv)
+
+
+def test_answers_against_a_real_registry(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    up = RegistryClient(
+        registry.host, Credential(registry.username, registry.password), ca_bundle=str(registry.ca)
+    )
+    digest = up.push_sif("library/resolveme", "1", make_sif({"r": "1"}))
+    cfg = load_config(registry.write_site(tmp_path))
+    (tmp_path / "state").mkdir()
+
+    status, out, err = answer(cfg, ResolveRequest("resolveme:1", "", ""))
+    assert (status, err) == (0, "")
+    assert out == f"{registry.host}/library/resolveme:1@{digest}\n"
+    # What this host saw is kept in its state dir (not root's home), for a registry outage.
+    assert digest in (tmp_path / "state" / "last-seen.json").read_text()
+
+    status, out, err = answer(cfg, ResolveRequest("Bad Name:1", "", ""))
+    assert status == 2 and out == "" and err.startswith("tfimage: ") and err.count("\n") == 1
+    status, _, err = answer(cfg, ResolveRequest("resolveme:1", "/etc:/x", ""))
+    assert status == 2 and "--tf-mount" in err
+
+    # Not there for this host: the plugin asks again as the user (who may see more).
+    status, out, err = answer(cfg, ResolveRequest("nosuchimage:1", "", ""))
+    assert status == RETRY_YOURSELF and out == "" and "nosuchimage" in err
+
+
+def test_registry_down_uses_what_this_host_saw(registry: Registry, tmp_path: Path) -> None:
+    site = registry.write_site(tmp_path)
+    # The same site with its registry gone: nothing listens on port 1.
+    dead = tmp_path / "dead.yaml"
+    dead.write_text(site.read_text().replace(registry.host, "127.0.0.1:1"))
+    cfg = load_config(dead)
+    (tmp_path / "state").mkdir()
+    status, _, err = answer(cfg, ResolveRequest("seen:1", "", ""))
+    assert status == RETRY_YOURSELF and "never seen that tag" in err
+    digest = "sha256:" + "c" * 64
+    (tmp_path / "state" / "last-seen.json").write_text(
+        f'{{"127.0.0.1:1/library/seen:1": "{digest}"}}'
+    )
+    status, out, err = answer(cfg, ResolveRequest("seen:1", "", ""))
+    assert status == 0 and out.strip().endswith("@" + digest)
+    assert "warning" in err and "last digest this host saw" in err
