@@ -38,7 +38,8 @@ from tfimage.agent.reference import Reference
 from tfimage.agent.sif import has_magic
 
 if TYPE_CHECKING:  # the registry client (and its transport) load only when needed
-    from tfimage.agent.registry import RegistryClient
+    from tfimage.agent.registry import Manifest, RegistryClient
+    from tfimage.agent.segments import Segment
 
 Progress = Callable[[int, int], None]
 CHUNK = 1 << 20
@@ -200,36 +201,26 @@ class ImageCache:
             path = self.path_of(ref.digest)
             self._touch(ref, ref.digest, job=job)
             return CachedImage(ref, path, path.stat().st_size, True, time.monotonic() - started)
-        from tfimage.agent.artifact import sif_layer
-        from tfimage.agent.convert import is_image_manifest, oci_to_sif
-
         last: RegistryUnreachable | None = None
         for host in self.cfg.sources(ref):
             client = self._client_factory(host)
             try:
-                # By digest when pinned: the client checks the bytes against it.
-                manifest = client.manifest(ref.repository, ref.version)
-                pinned = ref.pinned(manifest.digest)
-                path = self.path_of(manifest.digest)
-                blob = None
-                with self.lock(manifest.digest):
-                    hit = path.exists()
-                    if not hit and (ref.transport == "docker" or is_image_manifest(manifest.body)):
-                        # An OCI image: converted once, cached under its manifest digest.
-                        oci_to_sif(
-                            pinned,
-                            manifest.digest,
-                            path,
-                            self.root / "tmp",
-                            credential=client.credential,
-                            ca_bundle=self.cfg.ca_bundle,
-                        )
-                    elif not hit:
-                        layer = sif_layer(manifest)
-                        bulk = self._bulk_factory(host)
-                        self._download(bulk, ref, layer.digest, layer.size, path, progress)
-                        blob = layer.digest
-                self._touch(pinned, manifest.digest, job=job, blob=blob)
+                if ref.digest:
+                    # Pinned (the prolog's case): the lock first, so the jobs waiting
+                    # for one download find it done and ask the registry nothing.
+                    with self.lock(ref.digest):
+                        path = self.path_of(ref.digest)
+                        hit = path.exists()
+                        blob = None if hit else self._fill(client, host, ref, progress)
+                    pinned = ref
+                else:
+                    manifest = client.manifest(ref.repository, ref.version)
+                    pinned = ref.pinned(manifest.digest)
+                    path = self.path_of(manifest.digest)
+                    with self.lock(manifest.digest):
+                        hit = path.exists()
+                        blob = None if hit else self._fill(client, host, pinned, progress, manifest)
+                self._touch(pinned, pinned.digest or "", job=job, blob=blob)
             except RegistryUnreachable as e:
                 last = e  # this one is down: the next mirror serves
                 continue
@@ -244,28 +235,135 @@ class ImageCache:
         assert last is not None
         raise last
 
-    def _download(
+    def _fill(
         self,
         client: RegistryClient,
+        host: str,
+        pinned: Reference,
+        progress: Progress | None,
+        manifest: Manifest | None = None,
+    ) -> str | None:
+        """Under the digest's lock: put the image ``pinned`` names into the cache.
+        Returns the SIF blob's digest (None for an OCI image, converted)."""
+        from tfimage.agent.artifact import sif_layer
+        from tfimage.agent.convert import is_image_manifest, oci_to_sif
+
+        assert pinned.digest
+        if manifest is None:
+            # By digest: the client checks the manifest's bytes against it.
+            manifest = client.manifest(pinned.repository, pinned.digest)
+        path = self.path_of(pinned.digest)
+        if pinned.transport == "docker" or is_image_manifest(manifest.body):
+            # An OCI image: converted once, cached under its manifest digest.
+            oci_to_sif(
+                pinned,
+                pinned.digest,
+                path,
+                self.root / "tmp",
+                credential=client.credential,
+                ca_bundle=self.cfg.ca_bundle,
+            )
+            return None
+        layer = sif_layer(manifest)
+        self._download(host, pinned, layer.digest, layer.size, path, progress)
+        return layer.digest
+
+    def _download(
+        self,
+        host: str,
         ref: Reference,
         digest: str,
         size: int,
         dest: Path,
         progress: Progress | None,
     ) -> None:
+        from tfimage.agent import segments
+        from tfimage.agent.errors import RangeUnsupported
+
         tmp = self.root / "tmp" / f"{dest.stem}.partial"
+        marks = segments.parts_path(tmp)
+        try:
+            segs = segments.load_parts(marks, size) if tmp.exists() else None
+            if segs is None and marks.exists():
+                self._discard(tmp)  # marks without their file, of another size, damaged
+            if segs is None and not tmp.exists():
+                plan = segments.plan(size, self.cfg.pull_connections, self.cfg.pull_segment_bytes)
+                if len(plan) > 1:
+                    segments.save_parts(marks, size, plan)  # before the partial file exists
+                    segs = plan
+            self._fetch(host, ref, digest, size, tmp, segs, progress)
+        except RangeUnsupported:
+            self._discard(tmp)  # this registry streams whole blobs only
+            self._fetch(host, ref, digest, size, tmp, None, progress)
+        except RegistryUnreachable:
+            raise  # keep the partial file (and its marks): the next pull resumes it
+        except OSError as e:
+            self._discard(tmp)
+            raise CacheError(f"{self.root}: cannot store {ref.name}: {e.strerror}") from None
+        except (VerificationError, RegistryError, CacheError):
+            self._discard(tmp)
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            marks.unlink()
+        os.chmod(tmp, 0o444)
+        os.rename(tmp, dest)
+        dirfd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dirfd)
+        finally:
+            os.close(dirfd)
+
+    @staticmethod
+    def _discard(tmp: Path) -> None:
+        from tfimage.agent.segments import parts_path
+
+        for p in (tmp, parts_path(tmp)):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
+    def _fetch(
+        self,
+        host: str,
+        ref: Reference,
+        digest: str,
+        size: int,
+        tmp: Path,
+        segs: list[Segment] | None,
+        progress: Progress | None,
+    ) -> None:
+        """Fill ``tmp`` with the blob and check it (size, sha256, SIF magic), fsynced.
+
+        One stream (``segs`` None), resuming a partial file with a Range request; or
+        segments over several connections (segments.py), resuming each from its mark.
+        """
         import hashlib  # a cache hit, the launch path, never hashes
+
+        from tfimage.agent import segments
 
         h = hashlib.sha256()
         head = b""
         got = 0
-        try:
-            # A partial download left by an interrupted pull (a crash, a kill -9, a
-            # dropped connection) is resumed: hash what is there, Range for the rest.
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "r+b") as out:
-                if not stat.S_ISREG(os.fstat(out.fileno()).st_mode):
-                    raise CacheError(f"{tmp}: not a regular file")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "r+b") as out:
+            if not stat.S_ISREG(os.fstat(out.fileno()).st_mode):
+                raise CacheError(f"{tmp}: not a regular file")
+            if segs is not None:
+                if os.fstat(out.fileno()).st_size != size:
+                    out.truncate(size)  # every segment writes at its own offset
+                clients = [self._bulk_factory(host) for _ in segs]
+                blocks: Iterator[bytes] = segments.fetch(
+                    clients,
+                    ref.repository,
+                    digest,
+                    tmp,
+                    size,
+                    segs,
+                    _start_writeback,
+                    WRITEBACK,
+                )
+            else:
+                # A partial download left by an interrupted pull (a crash, a kill -9,
+                # a dropped connection) is resumed: hash what is there, Range the rest.
                 while block := out.read(CHUNK):
                     h.update(block)
                     if len(head) < 64:
@@ -275,17 +373,19 @@ class ImageCache:
                     out.seek(0)
                     out.truncate()
                     h, head, got = hashlib.sha256(), b"", 0
-                chunks = client.blob_chunks(ref.repository, digest, offset=got, size=size)
-                flushed = got
-                for chunk in prefetch(chunks):
-                    got += len(chunk)
-                    if got > size:
-                        raise VerificationError(
-                            f"{ref.name}: blob is larger than the {size} bytes the manifest says"
-                        )
-                    if len(head) < 64:
-                        head += chunk[: 64 - len(head)]
-                    h.update(chunk)
+                client = self._bulk_factory(host)
+                blocks = prefetch(client.blob_chunks(ref.repository, digest, offset=got, size=size))
+            flushed = got
+            for chunk in blocks:
+                got += len(chunk)
+                if got > size:
+                    raise VerificationError(
+                        f"{ref.name}: blob is larger than the {size} bytes the manifest says"
+                    )
+                if len(head) < 64:
+                    head += chunk[: 64 - len(head)]
+                h.update(chunk)
+                if segs is None:
                     out.write(chunk)
                     if got - flushed >= WRITEBACK:
                         # Start writing back what has arrived, so the final fsync
@@ -293,33 +393,16 @@ class ImageCache:
                         out.flush()
                         _start_writeback(out.fileno(), flushed, got - flushed)
                         flushed = got
-                    if progress:
-                        progress(got, size)
-                if got != size:
-                    raise RegistryUnreachable(f"{ref.name}: got {got} of {size} bytes")
-                if "sha256:" + h.hexdigest() != digest:
-                    raise VerificationError(f"{ref.name}: sha256 of the download does not match")
-                if not has_magic(head):
-                    raise VerificationError(f"{ref.name}: the download is not a SIF file")
-                out.flush()
-                os.fsync(out.fileno())
-            os.chmod(tmp, 0o444)
-            os.rename(tmp, dest)
-            dirfd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dirfd)
-            finally:
-                os.close(dirfd)
-        except RegistryUnreachable:
-            raise  # keep the partial file: the next pull resumes it
-        except OSError as e:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            raise CacheError(f"{self.root}: cannot store {ref.name}: {e.strerror}") from None
-        except (VerificationError, RegistryError, CacheError):
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            raise
+                if progress:
+                    progress(got, size)
+            if got != size:
+                raise RegistryUnreachable(f"{ref.name}: got {got} of {size} bytes")
+            if "sha256:" + h.hexdigest() != digest:
+                raise VerificationError(f"{ref.name}: sha256 of the download does not match")
+            if not has_magic(head):
+                raise VerificationError(f"{ref.name}: the download is not a SIF file")
+            out.flush()
+            os.fsync(out.fileno())
 
     def _touch(
         self, ref: Reference, digest: str, *, job: str | None = None, blob: str | None = None

@@ -51,6 +51,10 @@ class Config:
     cache_low_watermark: float = 80.0
     cache_min_age: float = 3600.0
     single_task_tf_config: bool = False
+    # A blob of at least 2 x pull_segment_bytes is fetched over up to pull_connections
+    # Range requests at once (one HTTPS stream is bound by one core on each side).
+    pull_connections: int = 2
+    pull_segment_bytes: int = 128 << 20
 
     @property
     def allowlist(self) -> tuple[str, ...]:
@@ -79,6 +83,7 @@ _FLOATS = {
     "cache_low_watermark",
     "cache_min_age",
 }
+_INTS = {"pull_connections": (1, 16), "pull_segment_bytes": (1 << 16, 1 << 40)}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
@@ -104,6 +109,11 @@ def _coerce(key: str, value: Any, path: Path) -> Any:
             isinstance(value, bool) or not isinstance(value, int) or value <= 0
         ):
             raise ConfigError(f"{path}: 'cache_max_bytes' must be a positive integer")
+        return value
+    if key in _INTS:
+        low, high = _INTS[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(f"{path}: '{key}' must be an integer from {low} to {high}")
         return value
     if key == "single_task_tf_config":
         if not isinstance(value, bool):

@@ -7,6 +7,7 @@
     +-- ImageError               the image can't be had; never drains a node (exit 3)
     |   +-- RegistryError        auth refused, not found, bad answer
     |   |   +-- RegistryUnreachable  no answer (connection, timeout, 5xx) after retries
+    |   |   +-- RangeUnsupported     Range answered with the whole blob (caller streams it)
     |   +-- VerificationError    size, digest, media type or SIF magic wrong
     |   +-- CacheError           the node cache can't store or publish it
     +-- RuntimeSetupError        mounting or preparing the runtime failed   (exit 3)
@@ -44,6 +45,10 @@ class RegistryError(ImageError):
 
 
 class RegistryUnreachable(RegistryError):  # noqa: N818 - it names a state, like ConnectionRefused
+    pass
+
+
+class RangeUnsupported(RegistryError):  # noqa: N818 - it names a state
     pass
 
 

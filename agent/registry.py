@@ -19,7 +19,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from tfimage.agent.credentials import Credential
-from tfimage.agent.errors import RegistryError, RegistryUnreachable, VerificationError
+from tfimage.agent.errors import (
+    RangeUnsupported,
+    RegistryError,
+    RegistryUnreachable,
+    VerificationError,
+)
 from tfimage.agent.transport import Response, TLSError, Transport, TransportError
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -263,6 +268,47 @@ class RegistryClient:
                     yield chunk
             except TransportError as e:
                 raise RegistryUnreachable(f"{self.host}: download broke off: {_short(e)}") from None
+
+    def blob_range(self, repository: str, digest: str, start: int, end: int) -> Iterator[bytes]:
+        """Stream bytes ``[start, end)`` of a blob: one segment of a parallel pull.
+
+        Only a 206 whose Content-Range names exactly that range is taken; a registry
+        that ignores Range (200) raises :class:`RangeUnsupported`, so the caller
+        fetches the whole blob in one stream instead.  Never more than the range is
+        yielded, whatever the body holds.
+        """
+        resp = self._send(
+            "GET",
+            f"{self._base}/{repository}/blobs/{digest}",
+            f"repository:{repository}:pull",
+            headers={"Range": f"bytes={start}-{end - 1}"},
+        )
+        with resp:
+            if resp.status_code == 200:
+                raise RangeUnsupported(f"{self.host}: answers Range requests with the whole blob")
+            if resp.status_code != 206:
+                raise RegistryError(
+                    f"{self.host}/{repository}: blob {digest[:19]} range request failed "
+                    f"({resp.status_code})"
+                )
+            got_range = resp.headers.get("Content-Range", "")
+            length = resp.headers.get("Content-Length", "")
+            if not got_range.startswith(f"bytes {start}-{end - 1}/") or (
+                length and length != str(end - start)
+            ):
+                raise VerificationError(
+                    f"{self.host}/{repository}: asked for bytes {start}-{end - 1}, "
+                    f"got {got_range or 'no Content-Range'}"
+                )
+            left = end - start
+            try:
+                while left > 0 and (chunk := resp.read(min(CHUNK, left))):
+                    left -= len(chunk)
+                    yield chunk
+            except TransportError as e:
+                raise RegistryUnreachable(f"{self.host}: download broke off: {_short(e)}") from None
+            if left:
+                raise RegistryUnreachable(f"{self.host}: a range broke off {left} bytes short")
 
     # -- writing (admins and the local cluster push images with these) --------------
 

@@ -7,6 +7,7 @@ cache consistent; an interrupted download resumes with a Range request.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -44,6 +45,7 @@ class Behaviour:
     cut_after: int | None = None  # close the connection after this many bytes, once
     delay: float = 0.0  # seconds between 64 KiB pieces
     ranges: list[str] = field(default_factory=list)
+    ignore_range: bool = False  # answer 200 with the whole blob, as some servers do
     busy: int = 0  # answer 429 to this many manifest requests first
     bearer: bool = False  # Harbor's token flow; each token is good for one request
     tokens: list[str] = field(default_factory=list)  # scopes asked for, in order
@@ -96,20 +98,25 @@ class Server:
                     self.end_headers()
                     self.wfile.write(b.manifest)
                     return
-                start = 0
+                start, end = 0, len(b.blob)
                 rng = self.headers.get("Range")
                 if rng:
                     b.ranges.append(rng)
-                    start = int(rng.removeprefix("bytes=").rstrip("-"))
-                body = b.blob[start:]
-                self.send_response(206 if rng else 200)
+                if rng and not b.ignore_range:
+                    first, _, last = rng.removeprefix("bytes=").partition("-")
+                    start, end = int(first), int(last) + 1 if last else len(b.blob)
+                body = b.blob[start:end]
+                self.send_response(206 if rng and not b.ignore_range else 200)
                 self.send_header("Content-Length", str(b.content_length or len(body)))
+                if rng and not b.ignore_range:
+                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(b.blob)}")
                 self.end_headers()
                 sent = 0
                 for i in range(0, len(body), 65536):
                     piece = body[i : i + 65536]
-                    if b.cut_after is not None and start + sent + len(piece) > b.cut_after:
-                        self.wfile.write(piece[: b.cut_after - start - sent])
+                    at = start + sent
+                    if b.cut_after is not None and at <= b.cut_after < at + len(piece):
+                        self.wfile.write(piece[: b.cut_after - at])
                         b.cut_after = None  # only the first time
                         self.close_connection = True
                         return
@@ -151,18 +158,21 @@ def cache_for(
 ) -> Callable[[Server], ImageCache]:
     """A cache on the server, through each transport (agent/transport.py) in turn."""
 
-    def make(s: Server) -> ImageCache:
+    def make(s: Server, **extra: int) -> ImageCache:
         cfg = tmp_path / "config.yaml"
         cfg.write_text(
             f'registry: "{s.host}"\nca_bundle: {tls / "ca.crt"}\n'
             f"credentials: {tmp_path / 'none.yaml'}\ncache_dir: {tmp_path / 'cache'}\n"
-            "read_timeout: 5\n"
+            "read_timeout: 5\n" + "".join(f"{k}: {v}\n" for k, v in extra.items())
         )
         site = load_config(cfg)
         light = request.param == "stdlib"
         return ImageCache(site, client_factory=lambda host: client_for(site, host, light=light))
 
     return make
+
+
+CacheFor = Callable[..., ImageCache]
 
 
 def a_sif(make_sif: Callable[[dict[str, str]], Path], size: int = 0) -> bytes:
@@ -326,8 +336,13 @@ def test_expired_bearer_token_is_fetched_again(
     assert len(asked) == 2 and set(asked) == {"repository:proj/x:pull"}
 
 
+@pytest.mark.parametrize("connections", [1, 4])
 def test_full_disk_is_a_clear_error_and_leaves_the_cache_consistent(
-    server: Server, tmp_path: Path, tls: Path, make_sif: Callable[[dict[str, str]], Path]
+    server: Server,
+    tmp_path: Path,
+    tls: Path,
+    make_sif: Callable[[dict[str, str]], Path],
+    connections: int,
 ) -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a small filesystem for the cache needs root")
@@ -343,6 +358,7 @@ def test_full_disk_is_a_clear_error_and_leaves_the_cache_consistent(
         cfg.write_text(
             f'registry: "{server.host}"\nca_bundle: {tls / "ca.crt"}\n'
             f"credentials: {tmp_path / 'none.yaml'}\ncache_dir: {small / 'cache'}\n"
+            f"pull_connections: {connections}\npull_segment_bytes: {1 << 18}\n"
         )
         cache = ImageCache(load_config(cfg))
         with pytest.raises(CacheError, match="No space left on device"):
@@ -352,3 +368,138 @@ def test_full_disk_is_a_clear_error_and_leaves_the_cache_consistent(
         assert cache.entries() == []
     finally:
         subprocess.run(["umount", str(small)], check=True, timeout=30)
+
+
+# --- one blob over several connections (agent/segments.py) ---------------------------
+
+SEGMENTED = {"pull_connections": 4, "pull_segment_bytes": 1 << 18}
+
+
+def _closed_ranges(server: Server) -> list[tuple[int, int]]:
+    out = []
+    for r in server.b.ranges:
+        first, _, last = r.removeprefix("bytes=").partition("-")
+        if last:
+            out.append((int(first), int(last) + 1))
+    return sorted(out)
+
+
+def test_a_large_blob_comes_over_several_ranges_and_is_verified(
+    server: Server, cache_for: CacheFor, make_sif: Callable[[dict[str, str]], Path]
+) -> None:
+    blob = a_sif(make_sif, size=2_000_000)
+    server.serve(blob)
+    cache = cache_for(server, **SEGMENTED)
+    got = cache.ensure(cache.cfg.reference("x:1"))
+    assert got.path.read_bytes() == blob
+    ranges = _closed_ranges(server)
+    assert len(ranges) == 4 and ranges[0][0] == 0 and ranges[-1][1] == len(blob)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # a cover
+    assert not any((cache.root / "tmp").iterdir())  # no partial file, no marks
+
+
+def test_a_registry_that_ignores_range_is_read_in_one_stream(
+    server: Server, cache_for: CacheFor, make_sif: Callable[[dict[str, str]], Path]
+) -> None:
+    blob = a_sif(make_sif, size=2_000_000)
+    server.serve(blob, ignore_range=True)
+    cache = cache_for(server, **SEGMENTED)
+    got = cache.ensure(cache.cfg.reference("x:1"))
+    assert got.path.read_bytes() == blob and server.b.ranges  # it asked, then streamed
+    assert not any((cache.root / "tmp").iterdir())
+
+
+def test_a_bad_segment_fails_the_sha256_and_leaves_nothing(
+    server: Server, cache_for: CacheFor, make_sif: Callable[[dict[str, str]], Path]
+) -> None:
+    good = a_sif(make_sif, size=2_000_000)
+    evil = bytearray(good)
+    evil[len(good) * 3 // 4] ^= 0xFF  # inside a later segment, not the first
+    server.serve(
+        bytes(evil), layers=[{"mediaType": SIF_LAYER, "digest": digest_of(good), "size": len(good)}]
+    )
+    cache = cache_for(server, **SEGMENTED)
+    with pytest.raises(VerificationError, match="sha256 of the download does not match"):
+        cache.ensure(cache.cfg.reference("x:1"))
+    nothing_published(cache)
+    assert not any((cache.root / "tmp").iterdir())
+
+
+def test_a_segment_that_breaks_off_is_asked_again_from_where_it_stopped(
+    server: Server, cache_for: CacheFor, make_sif: Callable[[dict[str, str]], Path]
+) -> None:
+    blob = a_sif(make_sif, size=2_000_000)
+    cut = len(blob) * 5 // 8  # inside the third of four segments
+    server.serve(blob, cut_after=cut)
+    cache = cache_for(server, **SEGMENTED)
+    got = cache.ensure(cache.cfg.reference("x:1"))
+    assert got.path.read_bytes() == blob
+    starts = [a for a, _ in _closed_ranges(server)]
+    assert len(starts) == 5 and cut in starts  # the four, then the rest of the third
+
+
+def test_kill_9_mid_segmented_pull_resumes_each_segment_from_its_mark(
+    server: Server,
+    cache_for: CacheFor,
+    tmp_path: Path,
+    make_sif: Callable[[dict[str, str]], Path],
+) -> None:
+    blob = a_sif(make_sif, size=3_000_000)
+    server.serve(blob, delay=0.05)  # 64 KiB every 50 ms on each connection
+    # Two segments of ~3 MB: each mark moves a 1 MiB read at a time, so there is
+    # time to see one move before either segment is done.
+    cache = cache_for(server, pull_connections=2, pull_segment_bytes=1 << 18)
+    env = {**os.environ, "TFIMAGE_CONFIG": str(tmp_path / "config.yaml")}
+    puller = subprocess.Popen(
+        [sys.executable, "-m", "tfimage.agent.cli", "pull", "x:1"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    marks = cache.root / "tmp"
+    try:
+        for _ in range(300):
+            found = list(marks.glob("*.parts")) if marks.exists() else []
+            segs = json.loads(found[0].read_text())["segments"] if found else []
+            if any(start < done < end for start, end, done in segs):
+                break
+            time.sleep(0.02)
+        puller.send_signal(signal.SIGKILL)
+    finally:
+        puller.wait(10)
+    nothing_published(cache)
+    segs = json.loads(next(marks.glob("*.parts")).read_text())["segments"]
+    unfinished = [(done, end) for start, end, done in segs if done < end]
+    assert unfinished and any(start < done < end for start, end, done in segs), segs
+    server.b.delay = 0
+    server.b.ranges.clear()
+    got = cache.ensure(cache.cfg.reference("x:1"))
+    assert got.path.read_bytes() == blob
+    # Each unfinished segment went on from its mark, nothing was fetched twice.
+    assert sorted(server.b.ranges) == sorted(f"bytes={d}-{e - 1}" for d, e in unfinished)
+    assert not any(marks.iterdir())
+
+
+def test_pinned_ensures_waiting_for_one_download_ask_the_registry_nothing(
+    server: Server, cache_for: CacheFor, make_sif: Callable[[dict[str, str]], Path]
+) -> None:
+    blob = a_sif(make_sif, size=500_000)
+    server.serve(blob, delay=0.02)  # the download takes a while: the others queue on it
+    cache = cache_for(server)
+    ref = cache.cfg.reference(f"x@{digest_of(server.b.manifest)}")  # as the prolog has it
+    hits: list[bool] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            hits.append(cache.ensure(ref).hit)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and sorted(hits) == [False] + [True] * 7
+    assert server.b.manifest_requests == 1  # only the one that downloaded asked
