@@ -6,10 +6,12 @@ Layout under ``cache_dir`` (root-owned, 0755)::
     images/sha256-<hex>.json    metadata: refs, size, created, last_used
     locks/sha256-<hex>.lock     one flock per digest, so one download per image
     tmp/                        downloads in progress, same filesystem as images/
+    tmp/sha256-<hex>.partial    an interrupted download, resumed by the next pull
+    tmp/sha256-<hex>.partial.parts  its segments' marks, for a multi-connection one
 
-A download is streamed to ``tmp/``, checked for size, sha256 and SIF magic while
-it arrives, fsynced, then renamed into ``images/``: a reader sees a whole
-verified image or nothing.
+A download is streamed to ``tmp/`` (large ones over several connections at once,
+segments.py), checked for size, sha256 and SIF magic, fsynced, then renamed into
+``images/``: a reader sees a whole verified image or nothing.
 """
 
 from __future__ import annotations
