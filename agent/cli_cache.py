@@ -123,15 +123,22 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from tfimage.agent.evict import prune
+    from tfimage.agent.evict import prune, stale_partials
 
-    gone = prune(_cache(args), dry_run=args.dry_run)
+    cache = _cache(args)
+    gone = prune(cache, dry_run=args.dry_run)
+    partials = stale_partials(cache, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
+    lines = [f"{verb} {g['digest']} ({', '.join(g.get('refs', []))})" for g in gone]
+    lines += [f"{verb} {p.name} (an interrupted download nobody resumed)" for p in partials]
     _out(
         args,
-        {"dry_run": args.dry_run, "removed": [g["digest"] for g in gone]},
-        "\n".join(f"{verb} {g['digest']} ({', '.join(g.get('refs', []))})" for g in gone)
-        or "nothing to prune",
+        {
+            "dry_run": args.dry_run,
+            "removed": [g["digest"] for g in gone],
+            "partials": [p.name for p in partials],
+        },
+        "\n".join(lines) or "nothing to prune",
     )
     return 0
 

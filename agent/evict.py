@@ -3,12 +3,14 @@
 Prune starts at the high watermark and stops at the low one, least recently used
 first.  It never takes a pinned entry, one a running job holds, or one used more
 recently than the minimum age.  A holder whose job has left this node (its state
-under ``state_dir/jobs`` is gone, e.g. after a crash or a reboot) is reclaimed.
+under ``state_dir/jobs`` is gone, e.g. after a crash or a reboot) is reclaimed, and
+so is an interrupted download nobody resumed within the minimum age.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import time
@@ -106,6 +108,36 @@ def prune(
                 continue  # held or pinned since we looked
         used -= int(meta.get("size", 0))
         gone.append(meta)
+    return gone
+
+
+def stale_partials(
+    cache: ImageCache, *, dry_run: bool = False, now: float | None = None
+) -> list[Path]:
+    """Interrupted downloads (``tmp/*.partial`` and their marks) left alone for the
+    minimum age, whose digest no pull holds now; removed unless ``dry_run``."""
+    now = time.time() if now is None else now
+    gone = []
+    for partial in sorted((cache.root / "tmp").glob("sha256-*.partial")):
+        lock = cache.root / "locks" / f"{partial.name.removesuffix('.partial')}.lock"
+        try:
+            if now - partial.stat().st_mtime < cache.cfg.cache_min_age:
+                continue
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a pull is resuming it right now
+            if not dry_run:
+                for p in (partial, partial.with_name(partial.name + ".parts")):
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+            gone.append(partial)
+        finally:
+            os.close(fd)
     return gone
 
 

@@ -159,3 +159,48 @@ def test_pin_and_warm_follow_a_moved_tag(
     entries = json.loads(tfimage("ls", "--json").stdout)
     assert {e["digest"]: e["pinned"] for e in entries}[new] is True
     assert len(entries) == 2  # the old bytes stay, pinned too, until unpinned
+
+
+def test_prune_drops_interrupted_downloads_nobody_resumed(
+    filled: tuple[ImageCache, dict[str, str], Path], tmp_path: Path
+) -> None:
+    import fcntl
+
+    from tfimage.agent.evict import stale_partials
+
+    cache, _, cfg_path = filled
+    tmp = cache.root / "tmp"
+    old, young, busy = (f"sha256-{c * 64}" for c in "abc")
+    for name in (old, young, busy):
+        (tmp / f"{name}.partial").write_bytes(b"x" * 100)
+    (tmp / f"{old}.partial.parts").write_text("{}")
+    day_ago = time.time() - DAY
+    for name in (old, busy):
+        os.utime(tmp / f"{name}.partial", (day_ago, day_ago))
+    # A pull resuming `busy` holds its digest's lock: not touched however old.
+    fd = os.open(cache.root / "locks" / f"{busy}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert [p.name for p in stale_partials(cache, dry_run=True)] == [f"{old}.partial"]
+        assert (tmp / f"{old}.partial").exists()
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tfimage.agent.cli",
+                "--config",
+                str(cfg_path),
+                "cache",
+                "prune",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    finally:
+        os.close(fd)
+    assert json.loads(r.stdout)["partials"] == [f"{old}.partial"]
+    left = sorted(p.name for p in tmp.iterdir())
+    assert left == sorted([f"{busy}.partial", f"{young}.partial"])  # marks went too
