@@ -223,11 +223,31 @@ def serve(path: Path, deadline: float, cfg: Config, resolve_path: Path | None = 
     for sock, kind in listeners.items():
         sock.setblocking(False)
         sel.register(sock, selectors.EVENT_READ, (sock, kind))
-    resolvers: set[int] = set()
-    workers: set[int] = set()
     print(f"tfimage: daemon listening on {path}", file=sys.stderr, flush=True)
     if resolve_path is not None:
         print(f"tfimage: daemon resolving on {resolve_path}", file=sys.stderr, flush=True)
+    parent = os.getpid()
+    # systemctl stop (SIGTERM): leave no socket behind for clients to find dead.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        _loop(sel, listeners, deadline, cfg)
+    finally:
+        if os.getpid() == parent:
+            for p in (path, resolve_path):
+                if p is not None:
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+    return 0
+
+
+def _loop(
+    sel: selectors.BaseSelector,
+    listeners: dict[socket.socket, str],
+    deadline: float,
+    cfg: Config,
+) -> None:
+    resolvers: set[int] = set()
+    workers: set[int] = set()
     while True:
         ready = sel.select(timeout=1.0)
         _reap(workers)
@@ -251,6 +271,7 @@ def serve(path: Path, deadline: float, cfg: Config, resolve_path: Path | None = 
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 for s in listeners:
                     s.close()
                 signal.alarm(max(1, int(deadline if kind == "root" else RESOLVE_DEADLINE)))

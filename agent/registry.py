@@ -228,6 +228,14 @@ class RegistryClient:
         media = body.get("mediaType") or resp.headers.get("Content-Type", "")
         return Manifest(digest, str(media), raw, body)
 
+    def _get_blob(self, repository: str, digest: str, byte_range: str) -> Response:
+        return self._send(
+            "GET",
+            f"{self._base}/{repository}/blobs/{digest}",
+            f"repository:{repository}:pull",
+            headers={"Range": byte_range} if byte_range else {},
+        )
+
     def blob_chunks(
         self, repository: str, digest: str, offset: int = 0, size: int | None = None
     ) -> Iterator[bytes]:
@@ -237,13 +245,7 @@ class RegistryClient:
         ``offset`` bytes are then skipped here.  A Content-Length that disagrees with
         ``size`` is refused before a byte is read.
         """
-        headers = {"Range": f"bytes={offset}-"} if offset else {}
-        resp = self._send(
-            "GET",
-            f"{self._base}/{repository}/blobs/{digest}",
-            f"repository:{repository}:pull",
-            headers=headers,
-        )
+        resp = self._get_blob(repository, digest, f"bytes={offset}-" if offset else "")
         with resp:
             if resp.status_code not in ((200, 206) if offset else (200,)):
                 raise RegistryError(
@@ -277,12 +279,7 @@ class RegistryClient:
         fetches the whole blob in one stream instead.  Never more than the range is
         yielded, whatever the body holds.
         """
-        resp = self._send(
-            "GET",
-            f"{self._base}/{repository}/blobs/{digest}",
-            f"repository:{repository}:pull",
-            headers={"Range": f"bytes={start}-{end - 1}"},
-        )
+        resp = self._get_blob(repository, digest, f"bytes={start}-{end - 1}")
         with resp:
             if resp.status_code == 200:
                 raise RangeUnsupported(f"{self.host}: answers Range requests with the whole blob")

@@ -49,6 +49,12 @@ def timed(
         pw = pwd.getpwnam(user)
         env = {**env, "HOME": pw.pw_dir, "USER": user, "PWD": cwd or pw.pw_dir}
         kw = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+    chroot = env.get("TFIMAGE_CHROOT", "")
+    if chroot and argv[0] == "srun":
+        # SLURM_FLAVOR=other: the other Slurm's clients run in its tree, as the tests do.
+        ids = [f"--userspec={kw['user']}:{kw['group']}", "--groups="] if user else []
+        argv = ["/usr/sbin/chroot", *ids, chroot, "env", "-C", cwd or "/", *argv]
+        kw, cwd = {}, None
     out = []
     for _ in range(runs):
         t = time.perf_counter()

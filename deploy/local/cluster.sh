@@ -88,6 +88,10 @@ down() {
         kill_ns_procs "$n"
     done
     stop_pid "$RUN/daemon-login.pid"
+    # What the login node's daemon left in this host's (or the chroot's) /run/tfimage.
+    local login_run=/run/tfimage
+    [ ! -f "$RUN/chroot.root" ] || login_run=$(cat "$RUN/chroot.root")/run/tfimage
+    rm -f "$login_run/daemon.sock" "$login_run/resolve.sock" "$login_run/last-seen.json"
     stop_pid "$RUN/slurmctld.pid"
     stop_pid "$RUN/registry.pid"
     stop_pid "$RUN/munged.pid"
@@ -382,19 +386,9 @@ deploy_role() {
 # node (kill_ns_procs).  TFIMAGE_DAEMON=0 leaves it out: the plugin then runs the
 # helper for every step, as on a node where the daemon is down.
 start_daemon() {
-    local n=$1 pid
+    local n=$1
     [ "${TFIMAGE_DAEMON:-1}" = 1 ] || return 0
-    pid=$(cat "$RUN/slurmd-$n.pid")
-    : >"$LOGS/daemon-$n.log"
-    env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin setsid nsenter -t "$pid" -m -u -n -- \
-        "$PREFIX/bin/tfimage" --config "$ETC/tfimage/config.yaml" daemon \
-        >>"$LOGS/daemon-$n.log" 2>&1 </dev/null &
-    for _ in $(seq 100); do
-        grep -q "daemon listening" "$LOGS/daemon-$n.log" 2>/dev/null && return 0
-        sleep 0.1
-    done
-    tail -5 "$LOGS/daemon-$n.log" >&2
-    die "the tfimage daemon on $n did not start"
+    run_daemon "$n" "the tfimage daemon on $n" nsenter -t "$(cat "$RUN/slurmd-$n.pid")" -m -u -n --
 }
 
 # The login node's daemon (this host, or the other Slurm's tree): srun, sbatch and
@@ -406,17 +400,25 @@ start_login_daemon() {
     [ -z "$ROOT" ] || pre=(chroot "$ROOT")
     stop_pid "$RUN/daemon-login.pid"
     mkdir -p "$ROOT/run/tfimage"
-    : >"$LOGS/daemon-login.log"
-    env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin setsid "${pre[@]}" \
+    run_daemon login "the login node's tfimage daemon" "${pre[@]}"
+}
+
+# run_daemon NAME WHAT [PREFIX...]: `tfimage daemon` under PREFIX (nsenter, chroot),
+# logged to daemon-NAME.log, its pid in daemon-NAME.pid; waits until it listens.
+run_daemon() {
+    local name=$1 what=$2
+    shift 2
+    : >"$LOGS/daemon-$name.log"
+    env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin setsid "$@" \
         "$PREFIX/bin/tfimage" --config "$ETC/tfimage/config.yaml" daemon \
-        >>"$LOGS/daemon-login.log" 2>&1 </dev/null &
-    echo $! >"$RUN/daemon-login.pid"
+        >>"$LOGS/daemon-$name.log" 2>&1 </dev/null &
+    echo $! >"$RUN/daemon-$name.pid"
     for _ in $(seq 100); do
-        grep -q "daemon resolving" "$LOGS/daemon-login.log" 2>/dev/null && return 0
+        grep -q "daemon resolving" "$LOGS/daemon-$name.log" 2>/dev/null && return 0
         sleep 0.1
     done
-    tail -5 "$LOGS/daemon-login.log" >&2
-    die "the login node's tfimage daemon did not start"
+    tail -5 "$LOGS/daemon-$name.log" >&2
+    die "$what did not start"
 }
 
 start_slurm() {
@@ -539,6 +541,8 @@ case "${1:-}" in
     down) down ;;
     status) status ;;
     daemon)  # (re)start one node's tfimage daemon, or the login node's
+        # In the running cluster's tree, whatever SLURM_FLAVOR says now.
+        [ ! -f "$RUN/chroot.root" ] || ROOT=$(cat "$RUN/chroot.root")
         if [ "${2:?node}" = login ]; then start_login_daemon; else start_daemon "$2"; fi ;;
     *) echo "usage: cluster.sh up|down|status|daemon NODE" >&2; exit 2 ;;
 esac

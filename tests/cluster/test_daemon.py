@@ -116,10 +116,14 @@ def test_submissions_pin_through_the_daemon_and_without_it(cluster: Cluster, wor
             check=True,
             timeout=60,
         )
-    # ...and with it back, a rejected reference is rejected by it, with the same words.
+    # ...and with it back (in the same tree as the clients), it pins again, and a
+    # rejected reference is rejected by it with the same words as by the helper.
+    r = cluster.run(srun, cwd=workdir)
+    assert r.returncode == 0 and _resolved(cluster, "daemon-login.log") == 1, r.stderr
     bad2 = cluster.run(["srun", "--tf-image=Bad Name", "true"], cwd=workdir)
     assert bad2.returncode != 0
     assert _last_error(bad2.stderr) == _last_error(bad.stderr)
+    assert "-> 2 in" in (cluster.state / "log" / "daemon-login.log").read_text()
 
 
 def _held_pin(cluster: Cluster, workdir: Path) -> str:

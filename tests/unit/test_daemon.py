@@ -37,8 +37,9 @@ def _ask(path: Path, *args: str) -> tuple[int, str, bytes]:
 
 
 @contextlib.contextmanager
-def _started(tmp_path: Path, config: str) -> Iterator[tuple[Path, Path]]:
-    """A daemon on a config (``{run}``: its state dir); yields (its run dir, the config)."""
+def _started(tmp_path: Path, config: str) -> Iterator[tuple[Path, Path, subprocess.Popen[bytes]]]:
+    """A daemon on a config (``{run}``: its state dir); yields its run dir, the config
+    and the process."""
     # Under /run, not pytest's 0700 tmp: another uid must be able to reach the socket.
     run = Path(f"/run/tfimage-test-{os.getpid()}-{tmp_path.name}")
     run.mkdir()
@@ -58,7 +59,7 @@ def _started(tmp_path: Path, config: str) -> Iterator[tuple[Path, Path]]:
         assert (run / "resolve.sock").exists(), log.read_text()
         assert (run / "daemon.sock").stat().st_mode & 0o777 == 0o600
         assert (run / "resolve.sock").stat().st_mode & 0o777 == 0o666
-        yield run, cfg
+        yield run, cfg, p
     finally:
         p.kill()
         p.wait()
@@ -68,7 +69,7 @@ def _started(tmp_path: Path, config: str) -> Iterator[tuple[Path, Path]]:
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     conf = f"registry: r.example\nstate_dir: {{run}}\ncache_dir: {tmp_path / 'cache'}\n"
-    with _started(tmp_path, conf) as (run, cfg):
+    with _started(tmp_path, conf) as (run, cfg, _):
         yield run / "daemon.sock", cfg
 
 
@@ -155,10 +156,9 @@ def resolving(
     digest = up.push_sif("library/viad", "1", make_sif({"d": "1"}))
     site = registry.write_site(tmp_path).read_text()
     conf = "\n".join(
-        "state_dir: {run}" if line.startswith("state_dir:") else line
-        for line in site.splitlines()
+        "state_dir: {run}" if line.startswith("state_dir:") else line for line in site.splitlines()
     )
-    with _started(tmp_path, conf + "\n") as (run, _):
+    with _started(tmp_path, conf + "\n") as (run, _, _):
         yield run / "resolve.sock", digest
 
 
@@ -219,3 +219,11 @@ def test_a_flood_of_users_is_answered_busy(resolving: tuple[Path, str]) -> None:
     time.sleep(2.5)  # the held workers gave up; a request is served again
     status, err, _ = _ask(sock, "submit-check", "--mounts", "", "--job-image", "", "--", "B A D")
     assert status == 2, err
+
+
+def test_sigterm_stops_it_cleanly_leaving_no_socket(tmp_path: Path) -> None:
+    conf = f"registry: r.example\nstate_dir: {{run}}\ncache_dir: {tmp_path / 'cache'}\n"
+    with _started(tmp_path, conf) as (run, _, proc):
+        proc.terminate()  # systemctl stop
+        assert proc.wait(10) == 0
+        assert list(run.iterdir()) == []  # clients find no socket, not a dead one

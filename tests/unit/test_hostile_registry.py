@@ -272,6 +272,24 @@ def test_broken_download_resumes_with_range(
     assert got.path.read_bytes() == blob
 
 
+def kill_9_pull_when(config: Path, ready: Callable[[], bool]) -> None:
+    """Run `tfimage pull x:1` in a process of its own; SIGKILL it once ``ready()``."""
+    puller = subprocess.Popen(
+        [sys.executable, "-m", "tfimage.agent.cli", "pull", "x:1"],
+        env={**os.environ, "TFIMAGE_CONFIG": str(config)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(300):
+            if ready():
+                break
+            time.sleep(0.02)
+        puller.send_signal(signal.SIGKILL)
+    finally:
+        puller.wait(10)
+
+
 def test_kill_9_mid_pull_then_resume(
     server: Server,
     cache_for: Callable[[Server], ImageCache],
@@ -281,23 +299,13 @@ def test_kill_9_mid_pull_then_resume(
     blob = a_sif(make_sif, size=2_000_000)
     server.serve(blob, delay=0.05)  # about 40 pieces: 2 s for the whole blob
     cache = cache_for(server)
-    env = {**os.environ, "TFIMAGE_CONFIG": str(tmp_path / "config.yaml")}
-    puller = subprocess.Popen(
-        [sys.executable, "-m", "tfimage.agent.cli", "pull", "x:1"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     tmp = cache.root / "tmp"
-    try:
-        for _ in range(200):
-            parts = list(tmp.glob("*.partial")) if tmp.exists() else []
-            if parts and parts[0].stat().st_size > 200_000:
-                break
-            time.sleep(0.02)
-        puller.send_signal(signal.SIGKILL)
-    finally:
-        puller.wait(10)
+
+    def far_enough() -> bool:
+        parts = list(tmp.glob("*.partial")) if tmp.exists() else []
+        return bool(parts) and parts[0].stat().st_size > 200_000
+
+    kill_9_pull_when(tmp_path / "config.yaml", far_enough)
     [partial] = tmp.glob("*.partial")
     kept = partial.stat().st_size
     assert 0 < kept < len(blob)
@@ -449,24 +457,14 @@ def test_kill_9_mid_segmented_pull_resumes_each_segment_from_its_mark(
     # Two segments of ~3 MB: each mark moves a 1 MiB read at a time, so there is
     # time to see one move before either segment is done.
     cache = cache_for(server, pull_connections=2, pull_segment_bytes=1 << 18)
-    env = {**os.environ, "TFIMAGE_CONFIG": str(tmp_path / "config.yaml")}
-    puller = subprocess.Popen(
-        [sys.executable, "-m", "tfimage.agent.cli", "pull", "x:1"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     marks = cache.root / "tmp"
-    try:
-        for _ in range(300):
-            found = list(marks.glob("*.parts")) if marks.exists() else []
-            segs = json.loads(found[0].read_text())["segments"] if found else []
-            if any(start < done < end for start, end, done in segs):
-                break
-            time.sleep(0.02)
-        puller.send_signal(signal.SIGKILL)
-    finally:
-        puller.wait(10)
+
+    def one_mark_moved() -> bool:
+        found = list(marks.glob("*.parts")) if marks.exists() else []
+        segs = json.loads(found[0].read_text())["segments"] if found else []
+        return any(start < done < end for start, end, done in segs)
+
+    kill_9_pull_when(tmp_path / "config.yaml", one_mark_moved)
     nothing_published(cache)
     segs = json.loads(next(marks.glob("*.parts")).read_text())["segments"]
     unfinished = [(done, end) for start, end, done in segs if done < end]
