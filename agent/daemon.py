@@ -181,6 +181,8 @@ def _resolve(conn: socket.socket, cfg: Config) -> None:
         status, out, err = resolver.answer(cfg, resolver.parse_request(argv))
     except (TfimageError, OSError) as e:
         err = f"tfimage: {e}\n"
+    except Exception as e:  # a bug: one line, and the plugin pins by itself
+        err = f"tfimage: resolver: internal error: {type(e).__name__}: {e}\n"
     _answer(conn, status, err.encode(), out.encode())
     took = (time.monotonic() - started) * 1000
     print(f"tfimage: daemon: resolve uid {uid} -> {status} in {took:.0f} ms", file=sys.stderr)
