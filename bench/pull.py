@@ -3,7 +3,7 @@
 - cold, verified pull of the ~1 GiB tf-custom SIF from the local registry (sha256,
   size and magic checked, fsynced, published) against raw `curl -o` of the same blob
   (no verification: the transfer limit) and oras-py's `Registry.pull()`, interleaved,
-  medians; peak RSS of each;
+  medians; peak RSS of each; and our pull over one connection, for the segments' share;
 - 16 concurrent pulls of one uncached image into one cache: downloads and wall time
   against one pull;
 - warm hit: `ensure` of a cached, pinned image, in-process and as a CLI call;
@@ -64,9 +64,9 @@ def main(env: dict[str, str], runs: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="tfimage-bench-", dir="/var/tmp"))
     print(f"pull: {ref_text} = {size / GIB:.2f} GiB from {reg}, {runs} runs each, interleaved")
 
-    def site(cache: Path) -> Path:
+    def site(cache: Path, **extra: int) -> Path:
         p = work / f"cfg-{cache.name}.yaml"
-        p.write_text(yaml.safe_dump({**cfg, "cache_dir": str(cache)}))
+        p.write_text(yaml.safe_dump({**cfg, "cache_dir": str(cache), **extra}))
         compile_config(p)  # as the role leaves a node's config
         return p
 
@@ -80,7 +80,9 @@ def main(env: dict[str, str], runs: int) -> None:
         "auth_backend='basic'); r.auth.set_basic_auth(sys.argv[2], sys.argv[3]); "
         "r.pull(target=sys.argv[1] + '/library/tf-custom:2.0', outdir=sys.argv[4])"
     )
-    times: dict[str, list[float]] = {"curl": [], "tfimage": [], "oras-py": []}
+    # "tfimage-1": the same pull over one connection (pull_connections: 1), for the
+    # segments' share of the result.
+    times: dict[str, list[float]] = {"curl": [], "tfimage": [], "tfimage-1": [], "oras-py": []}
     rss: dict[str, list[float]] = {k: [] for k in times}
     for i in range(runs):
         out = work / f"curl-{i}"
@@ -106,6 +108,11 @@ def main(env: dict[str, str], runs: int) -> None:
         times["tfimage"].append(t)
         rss["tfimage"].append(m)
         shutil.rmtree(cache)
+        cache = work / f"cache-1-{i}"
+        t, m = child([py, "-c", ours, str(site(cache, pull_connections=1)), ref_text])
+        times["tfimage-1"].append(t)
+        rss["tfimage-1"].append(m)
+        shutil.rmtree(cache)
         outdir = work / f"oras-{i}"
         t, m = child(
             [py, "-c", oras_code, reg, creds["username"], creds["password"], str(outdir)],
@@ -117,13 +124,14 @@ def main(env: dict[str, str], runs: int) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     for k in times:
         print(
-            f"  {k:<8} median {med[k]:6.2f} s  {size / GIB / med[k]:5.2f} GiB/s  "
+            f"  {k:<9} median {med[k]:6.2f} s  {size / GIB / med[k]:5.2f} GiB/s  "
             f"peak RSS {max(rss[k]):6.1f} MiB"
         )
     print(
         f"  tfimage/curl throughput {med['curl'] / med['tfimage']:.2f}x (goal >= 0.70), "
         f"tfimage/oras-py {med['oras-py'] / med['tfimage']:.2f}x (goal >= 1.50), "
-        f"peak RSS {max(rss['tfimage']):.0f} MiB (goal < 100)"
+        f"peak RSS {max(rss['tfimage']):.0f} MiB (goal < 100); "
+        f"one connection: {med['curl'] / med['tfimage-1']:.2f}x curl"
     )
 
     # 16 at once into one empty cache: one download, 16 successes.  By tag (16 CLI
