@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from tfimage.agent.config import Config
 from tfimage.agent.errors import (
     CacheError,
+    RangeUnsupported,
     RegistryError,
     RegistryUnreachable,
     VerificationError,
@@ -280,7 +281,6 @@ class ImageCache:
         progress: Progress | None,
     ) -> None:
         from tfimage.agent import segments
-        from tfimage.agent.errors import RangeUnsupported
 
         tmp = self.root / "tmp" / f"{dest.stem}.partial"
         marks = segments.parts_path(tmp)

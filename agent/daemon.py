@@ -206,9 +206,14 @@ def _reap(children: set[int]) -> None:
 
 
 def serve(path: Path, deadline: float, cfg: Config, resolve_path: Path | None = None) -> int:
-    # Everything a step needs, imported once, before the first request.
+    # Everything a step or a pin needs, imported once, before the first request
+    # (a forked worker would otherwise import it again each time: the registry
+    # client and its hashlib are ~8 ms).
+    import tfimage.agent.binds
     import tfimage.agent.cli
+    import tfimage.agent.credentials
     import tfimage.agent.pinning
+    import tfimage.agent.registry
     import tfimage.agent.resolver
     import tfimage.agent.step
     import tfimage.agent.tfenv
