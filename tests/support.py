@@ -6,12 +6,17 @@ import base64
 import json
 import shutil
 import subprocess
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from tfimage.agent.sif import build_commands
+
+T = TypeVar("T")
 
 
 def build_sif(root: Path, sif: Path) -> Path:
@@ -102,3 +107,22 @@ def push_oci_image(registry: Registry, d: Path, repo: str) -> None:
         f"oci:{lay}:t",
         f"docker://{registry.host}/{repo}:1",
     )
+
+
+def at_once(call: Callable[[], T], n: int) -> tuple[list[T], list[BaseException]]:
+    """Run ``call`` in ``n`` threads at once; its results and what it raised."""
+    results: list[T] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            results.append(call())
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results, errors

@@ -51,6 +51,16 @@ def limited(cfg_path: Path, cache: ImageCache, fraction: float) -> ImageCache:
     return ImageCache(load_config(cfg_path))
 
 
+def cache_cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`tfimage --config CONFIG cache ARGS...` as an operator runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "tfimage.agent.cli", "--config", str(config), "cache", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def hold(cache: ImageCache, digest: str, job: str, live: bool) -> None:
     cache.update_meta(digest, lambda m: m["holders"].append(job))
     if live:  # what the prolog leaves for a running job on this node
@@ -113,21 +123,7 @@ def test_verify_finds_a_corrupted_image(filled: tuple[ImageCache, dict[str, str]
         f.seek(-10, 2)
         f.write(b"corrupted!")
     assert verify(cache) == [(d["c"], "content does not match its sha256")]
-    cli = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tfimage.agent.cli",
-            "--config",
-            str(cfg_path),
-            "cache",
-            "verify",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    cli = cache_cli(cfg_path, "verify", "--json")
     assert cli.returncode == 1
     assert json.loads(cli.stdout) == [
         {"digest": d["c"], "problem": "content does not match its sha256"}
@@ -144,12 +140,7 @@ def test_pin_and_warm_follow_a_moved_tag(
     up.push_sif("library/warm", "1", make_sif({"v": "1"}))
 
     def tfimage(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "tfimage.agent.cli", "--config", str(cfg), "cache", *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return cache_cli(cfg, *args)
 
     assert tfimage("pin", "warm:1").returncode == 0
     new = up.push_sif("library/warm", "1", make_sif({"v": "2"}))
@@ -183,24 +174,10 @@ def test_prune_drops_interrupted_downloads_nobody_resumed(
     try:
         assert [p.name for p in stale_partials(cache, dry_run=True)] == [f"{old}.partial"]
         assert (tmp / f"{old}.partial").exists()
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tfimage.agent.cli",
-                "--config",
-                str(cfg_path),
-                "cache",
-                "prune",
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
+        r = cache_cli(cfg_path, "prune", "--json")
     finally:
         os.close(fd)
+    assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["partials"] == [f"{old}.partial"]
     left = sorted(p.name for p in tmp.iterdir())
     assert left == sorted([f"{busy}.partial", f"{young}.partial"])  # marks went too

@@ -24,6 +24,7 @@ from urllib.parse import unquote
 
 import pytest
 
+from support import at_once
 from tfimage.agent.cache import ImageCache, client_for
 from tfimage.agent.config import load_config
 from tfimage.agent.errors import CacheError, RegistryUnreachable, VerificationError
@@ -485,19 +486,6 @@ def test_pinned_ensures_waiting_for_one_download_ask_the_registry_nothing(
     server.serve(blob, delay=0.02)  # the download takes a while: the others queue on it
     cache = cache_for(server)
     ref = cache.cfg.reference(f"x@{digest_of(server.b.manifest)}")  # as the prolog has it
-    hits: list[bool] = []
-    errors: list[BaseException] = []
-
-    def one() -> None:
-        try:
-            hits.append(cache.ensure(ref).hit)
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=one) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    hits, errors = at_once(lambda: cache.ensure(ref).hit, 8)
     assert not errors and sorted(hits) == [False] + [True] * 7
     assert server.b.manifest_requests == 1  # only the one that downloaded asked

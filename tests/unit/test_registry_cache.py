@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import stat
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from support import Registry
+from support import Registry, at_once
 from tfimage.agent.cache import ImageCache, client_for
 from tfimage.agent.config import load_config
 from tfimage.agent.credentials import Credential
@@ -122,20 +121,7 @@ def test_concurrent_ensures_download_once(
 ) -> None:
     client(registry).push_sif("library/conc", "1", make_sif({"x": "y" * 100000}))
     cfg = load_config(registry.write_site(tmp_path))
-    results: list[bool] = []
-    errors: list[BaseException] = []
-
-    def one() -> None:
-        try:
-            results.append(ImageCache(cfg).ensure(cfg.reference("conc:1")).hit)
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=one) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results, errors = at_once(lambda: ImageCache(cfg).ensure(cfg.reference("conc:1")).hit, 8)
     assert not errors
     assert sorted(results) == [False] + [True] * 7  # exactly one download
 
