@@ -14,6 +14,8 @@ from typing import TypeVar
 
 import pytest
 
+from tfimage.agent.credentials import Credential
+from tfimage.agent.registry import RegistryClient
 from tfimage.agent.sif import build_commands
 
 T = TypeVar("T")
@@ -32,6 +34,12 @@ class Registry:
     ca: Path
     username: str
     password: str
+
+    def client(self) -> RegistryClient:
+        """A client with the test account's credentials, trusting the test CA."""
+        return RegistryClient(
+            self.host, Credential(self.username, self.password), ca_bundle=str(self.ca)
+        )
 
     def write_site(self, d: Path, **extra: str) -> Path:
         """A tfimage config + credentials for this registry; returns the config path."""

@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 
 from support import Registry
-from tfimage.agent.credentials import Credential
 from tfimage.agent.daemon import MAX_RESOLVERS
-from tfimage.agent.registry import RegistryClient
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the daemon runs as root: run as root")
 
@@ -150,9 +148,7 @@ print(status); print(data[8:8 + n].decode().strip()); print(data[8 + n:].decode(
 def resolving(
     registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
 ) -> Iterator[tuple[Path, str]]:
-    up = RegistryClient(
-        registry.host, Credential(registry.username, registry.password), ca_bundle=str(registry.ca)
-    )
+    up = registry.client()
     digest = up.push_sif("library/viad", "1", make_sif({"d": "1"}))
     site = registry.write_site(tmp_path).read_text()
     conf = "\n".join(

@@ -15,10 +15,8 @@ import pytest
 from support import Registry
 from tfimage.agent.cache import ImageCache
 from tfimage.agent.config import load_config
-from tfimage.agent.credentials import Credential
 from tfimage.agent.errors import CacheError
 from tfimage.agent.evict import prune, remove, set_pinned, usage, verify
-from tfimage.agent.registry import RegistryClient
 
 DAY = 86400.0
 
@@ -28,9 +26,7 @@ def filled(
     registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
 ) -> tuple[ImageCache, dict[str, str], Path]:
     """Images a, b, c, d in a cache, each used a day ago or more (a the longest)."""
-    up = RegistryClient(
-        registry.host, Credential(registry.username, registry.password), ca_bundle=str(registry.ca)
-    )
+    up = registry.client()
     cfg_path = registry.write_site(tmp_path)
     cache = ImageCache(load_config(cfg_path))
     digests = {}
@@ -133,9 +129,7 @@ def test_verify_finds_a_corrupted_image(filled: tuple[ImageCache, dict[str, str]
 def test_pin_and_warm_follow_a_moved_tag(
     registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
 ) -> None:
-    up = RegistryClient(
-        registry.host, Credential(registry.username, registry.password), ca_bundle=str(registry.ca)
-    )
+    up = registry.client()
     cfg = registry.write_site(tmp_path)
     up.push_sif("library/warm", "1", make_sif({"v": "1"}))
 

@@ -9,7 +9,6 @@ import pytest
 
 from support import Registry
 from tfimage.agent.config import load_config
-from tfimage.agent.credentials import Credential
 from tfimage.agent.errors import RegistryError
 from tfimage.agent.pinning import pin
 from tfimage.agent.registry import RegistryClient
@@ -23,9 +22,7 @@ def down(host: str) -> RegistryClient:
 def test_pin_then_fall_back_to_last_seen(
     registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
 ) -> None:
-    up = RegistryClient(
-        registry.host, Credential(registry.username, registry.password), ca_bundle=str(registry.ca)
-    )
+    up = registry.client()
     digest = up.push_sif("library/pinme", "1", make_sif({"m": "1"}))
     cfg = load_config(registry.write_site(tmp_path))
     store = tmp_path / "last-seen.json"

@@ -11,8 +11,6 @@ import pytest
 
 from support import Registry
 from tfimage.agent.config import load_config
-from tfimage.agent.credentials import Credential
-from tfimage.agent.registry import RegistryClient
 from tfimage.agent.resolver import (
     RETRY_YOURSELF,
     RequestError,
@@ -53,9 +51,7 @@ def test_anything_else_is_refused(argv: list[str]) -> None:
 def test_answers_against_a_real_registry(
     registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
 ) -> None:
-    up = RegistryClient(
-        registry.host, Credential(registry.username, registry.password), ca_bundle=str(registry.ca)
-    )
+    up = registry.client()
     digest = up.push_sif("library/resolveme", "1", make_sif({"r": "1"}))
     cfg = load_config(registry.write_site(tmp_path))
     (tmp_path / "state").mkdir()
