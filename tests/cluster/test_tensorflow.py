@@ -160,6 +160,7 @@ def test_mounts_default_and_user(cluster: Cluster, workdir: Path) -> None:
         [
             "srun",
             "-N2",
+            "--label",
             "--tf-image=tiny:1.0",
             f"--tf-mount={src}:/inputs:ro",
             "sh",
@@ -169,7 +170,12 @@ def test_mounts_default_and_user(cluster: Cluster, workdir: Path) -> None:
         cwd=workdir,
     )
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == ["user data", "site data"] * 2
+    # Each task's lines in its order; the two tasks' lines may interleave.
+    lines = r.stdout.splitlines()
+    for task in ("0", "1"):
+        mine = [line.split(": ", 1)[1] for line in lines if line.startswith(f"{task}: ")]
+        assert mine == ["user data", "site data"], r.stdout
+    assert len(lines) == 4, r.stdout
 
 
 def test_mount_outside_allowed_prefixes_rejected_at_submit(cluster: Cluster, workdir: Path) -> None:
