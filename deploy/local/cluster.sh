@@ -70,6 +70,19 @@ kill_ns_procs() { # every process sharing NODE's recorded mount namespace
     rm -f "$nsfile"
 }
 
+kill_netns_procs() { # what is still in NODE's network namespace (a container's
+    # processes have their own mount namespace, so kill_ns_procs misses them)
+    local pids
+    ip netns list 2>/dev/null | grep -qw "^$1" || return 0
+    for _ in 1 2 3 4 5 6 7 8 9 10; do
+        mapfile -t pids < <(ip netns pids "$1" 2>/dev/null)
+        [ ${#pids[@]} -eq 0 ] && break
+        log "killing ${#pids[@]} process(es) left in $1's network namespace"
+        kill -KILL "${pids[@]}" 2>/dev/null || true
+        sleep 0.2
+    done
+}
+
 stop_pid() { # PIDFILE: TERM, then KILL after 5 s; by PID, never by name
     local f=$1 pid
     [ -f "$f" ] || return 0
@@ -104,7 +117,12 @@ down() {
         rm -f "$RUN/chroot.root"
     fi
     for n in "${NODES[@]}"; do
+        kill_netns_procs "$n"
         ip netns del "$n" 2>/dev/null || true
+        # The host end goes with the namespace, but asynchronously; the next
+        # `up` must not find it ("RTNETLINK answers: File exists").
+        for _ in $(seq 50); do ip link show "veth-$n" >/dev/null 2>&1 || break; sleep 0.1; done
+        ip link del "veth-$n" 2>/dev/null || true
     done
     ip link del "$BRIDGE" 2>/dev/null || true
     hosts_entries remove
@@ -132,18 +150,21 @@ setup_user() {
     grep -q '^user_allow_other' /etc/fuse.conf 2>/dev/null || echo user_allow_other >>/etc/fuse.conf
 }
 
+net() { "$@" || die "network: '$*' failed"; }
+
 setup_network() {
-    ip link add "$BRIDGE" type bridge
-    ip addr add "$CTL_ADDR/24" dev "$BRIDGE"
-    ip link set "$BRIDGE" up
+    net ip link add "$BRIDGE" type bridge
+    net ip addr add "$CTL_ADDR/24" dev "$BRIDGE"
+    net ip link set "$BRIDGE" up
     for n in "${NODES[@]}"; do
-        ip netns add "$n"
-        ip link add "veth-$n" type veth peer name eth0 netns "$n"
-        ip link set "veth-$n" master "$BRIDGE" up
-        ip -n "$n" addr add "$(node_addr "$n")/24" dev eth0
-        ip -n "$n" link set lo up
-        ip -n "$n" link set eth0 up
-        ip -n "$n" route add default via "$CTL_ADDR"
+        net ip netns add "$n"
+        ip link del "veth-$n" 2>/dev/null || true
+        net ip link add "veth-$n" type veth peer name eth0 netns "$n"
+        net ip link set "veth-$n" master "$BRIDGE" up
+        net ip -n "$n" addr add "$(node_addr "$n")/24" dev eth0
+        net ip -n "$n" link set lo up
+        net ip -n "$n" link set eth0 up
+        net ip -n "$n" route add default via "$CTL_ADDR"
     done
     hosts_entries add
 }
@@ -504,7 +525,7 @@ ENV
 up() {
     [ "$(id -u)" = 0 ] || die "run as root"
     bash "$REPO/deploy/local/packages.sh"
-    down 2>/dev/null || true
+    down || true  # its log says what it had to kill
     mkdir -p "$STATE" "$ETC" "$RUN" "$LOGS"
     chmod 0755 "$STATE" "$ETC"
     setup_user
