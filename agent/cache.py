@@ -6,12 +6,12 @@ Layout under ``cache_dir`` (root-owned, 0755)::
     images/sha256-<hex>.json    metadata: refs, size, created, last_used
     locks/sha256-<hex>.lock     one flock per digest, so one download per image
     tmp/                        downloads in progress, same filesystem as images/
-    tmp/sha256-<hex>.partial    an interrupted download, resumed by the next pull
-    tmp/sha256-<hex>.partial.parts  its segments' marks, for a multi-connection one
+    tmp/sha256-<hex>.partial    a download in progress or interrupted: always a prefix
+                                of the blob, resumed from its end by the next pull
 
-A download is streamed to ``tmp/`` (large ones over several connections at once,
-segments.py), checked for size, sha256 and SIF magic, fsynced, then renamed into
-``images/``: a reader sees a whole verified image or nothing.
+A download is appended to ``tmp/`` in order (large ones come over several
+connections at once, stripes.py), checked for size, sha256 and SIF magic, fsynced,
+then renamed into ``images/``: a reader sees a whole verified image or nothing.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ import contextlib
 import fcntl
 import json
 import os
-import queue
 import stat
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,7 +40,6 @@ from tfimage.agent.sif import has_magic
 
 if TYPE_CHECKING:  # the registry client (and its transport) load only when needed
     from tfimage.agent.registry import Manifest, RegistryClient
-    from tfimage.agent.segments import Segment
 
 Progress = Callable[[int, int], None]
 CHUNK = 1 << 20
@@ -71,67 +68,10 @@ def credentials_file(cfg: Config) -> Path | None:
     return None  # anonymous pulls
 
 
-WRITEBACK = 64 << 20
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    """sync_file_range(SYNC_FILE_RANGE_WRITE): queue the range for writeback and
-    return at once (Linux; Python's os module lacks it).  Best effort: the fsync
-    before publishing is what makes the file durable."""
-    global _libc
-    if _libc is None:
-        import ctypes
-
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.sync_file_range.argtypes = [
-                ctypes.c_int,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_uint,
-            ]
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc:
-        _libc.sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
-
-
-_libc: Any = None
-
-
-def prefetch(chunks: Iterator[bytes], depth: int = 4) -> Iterator[bytes]:
-    """Read ahead in a thread, so the network and the hash-and-write overlap
-    (socket reads, sha256 and file writes all release the GIL)."""
-    q: queue.Queue[bytes | BaseException | None] = queue.Queue(depth)
-    stop = threading.Event()
-
-    def pump() -> None:
-        try:
-            for c in chunks:
-                if stop.is_set():
-                    return
-                q.put(c)
-            q.put(None)
-        except BaseException as e:  # handed to the consumer, raised there
-            q.put(e)
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        while (item := q.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        with contextlib.suppress(queue.Empty):
-            while True:  # unblock a producer waiting on a full queue
-                q.get_nowait()
-
-
 def client_for(cfg: Config, host: str, *, light: bool = False) -> RegistryClient:
     """A client for ``host`` with this node's credentials.  ``light``: the stdlib
-    transport, for a few small requests on the job-launch path (no ``requests``)."""
+    transport, for all a node does (no ``requests``: transport.py); pushes use the
+    default."""
     from tfimage.agent.credentials import load_credentials
     from tfimage.agent.registry import RegistryClient
 
@@ -162,11 +102,10 @@ class ImageCache:
     ) -> None:
         self.cfg = cfg
         self.root = Path(cfg.cache_dir)
-        # Manifests through the light (stdlib) transport: the many callers that only
-        # resolve a tag, or wait on another's download, never import requests.  The
-        # one that downloads takes a pooled requests client for the blob.
+        # The stdlib transport for all of it: the many callers that only resolve a
+        # tag, or wait on another's download, never import requests, and the one
+        # that downloads reads straight into its buffers (transport.py).
         self._client_factory = client_factory or (lambda host: client_for(cfg, host, light=True))
-        self._bulk_factory = client_factory or (lambda host: client_for(cfg, host))
 
     def _dirs(self) -> None:
         for sub in ("", "images", "locks", "tmp"):
@@ -268,45 +207,33 @@ class ImageCache:
             )
             return None
         layer = sif_layer(manifest)
-        self._download(host, pinned, layer.digest, layer.size, path, progress)
+        self._download(client, pinned, layer.digest, layer.size, path, progress)
         return layer.digest
 
     def _download(
         self,
-        host: str,
+        client: RegistryClient,
         ref: Reference,
         digest: str,
         size: int,
         dest: Path,
         progress: Progress | None,
     ) -> None:
-        from tfimage.agent import segments
-
         tmp = self.root / "tmp" / f"{dest.stem}.partial"
-        marks = segments.parts_path(tmp)
         try:
-            segs = segments.load_parts(marks, size) if tmp.exists() else None
-            if segs is None and marks.exists():
-                self._discard(tmp)  # marks without their file, of another size, damaged
-            if segs is None and not tmp.exists():
-                plan = segments.plan(size, self.cfg.pull_connections, self.cfg.pull_segment_bytes)
-                if len(plan) > 1:
-                    segments.save_parts(marks, size, plan)  # before the partial file exists
-                    segs = plan
-            self._fetch(host, ref, digest, size, tmp, segs, progress)
-        except RangeUnsupported:
-            self._discard(tmp)  # this registry streams whole blobs only
-            self._fetch(host, ref, digest, size, tmp, None, progress)
+            try:
+                self._fetch(client, ref, digest, size, tmp, self.cfg.pull_connections, progress)
+            except RangeUnsupported:
+                # This registry streams whole blobs only: one stream, from what came.
+                self._fetch(client, ref, digest, size, tmp, 1, progress)
         except RegistryUnreachable:
-            raise  # keep the partial file (and its marks): the next pull resumes it
+            raise  # keep the partial file: the next pull resumes it
         except OSError as e:
             self._discard(tmp)
             raise CacheError(f"{self.root}: cannot store {ref.name}: {e.strerror}") from None
         except (VerificationError, RegistryError, CacheError):
             self._discard(tmp)
             raise
-        with contextlib.suppress(FileNotFoundError):
-            marks.unlink()
         os.chmod(tmp, 0o444)
         os.rename(tmp, dest)
         dirfd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
@@ -317,93 +244,68 @@ class ImageCache:
 
     @staticmethod
     def _discard(tmp: Path) -> None:
-        from tfimage.agent.segments import parts_path
-
-        for p in (tmp, parts_path(tmp)):
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
 
     def _fetch(
         self,
-        host: str,
+        client: RegistryClient,
         ref: Reference,
         digest: str,
         size: int,
         tmp: Path,
-        segs: list[Segment] | None,
+        connections: int,
         progress: Progress | None,
     ) -> None:
         """Fill ``tmp`` with the blob and check it (size, sha256, SIF magic), fsynced.
 
-        One stream (``segs`` None), resuming a partial file with a Range request; or
-        segments over several connections (segments.py), resuming each from its mark.
+        A partial file an interrupted pull left (a crash, a kill -9, a dropped
+        connection) is a prefix of the blob (stripes.py): it is hashed, and the rest
+        asked for, over ``connections`` connections.
         """
         import hashlib  # a cache hit, the launch path, never hashes
 
-        from tfimage.agent import segments
+        from tfimage.agent import stripes
 
         h = hashlib.sha256()
-        head = b""
+        head = bytearray()
         got = 0
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "r+b") as out:
             if not stat.S_ISREG(os.fstat(out.fileno()).st_mode):
                 raise CacheError(f"{tmp}: not a regular file")
-            if segs is not None:
-                if os.fstat(out.fileno()).st_size != size:
-                    out.truncate(size)  # every segment writes at its own offset
-                clients = [self._bulk_factory(host) for _ in segs]
-                blocks: Iterator[bytes] = segments.fetch(
-                    clients,
-                    ref.repository,
-                    digest,
-                    tmp,
-                    size,
-                    segs,
-                    _start_writeback,
-                    WRITEBACK,
-                )
-            else:
-                # A partial download left by an interrupted pull (a crash, a kill -9,
-                # a dropped connection) is resumed: hash what is there, Range the rest.
-                while block := out.read(CHUNK):
-                    h.update(block)
-                    if len(head) < 64:
-                        head += block[: 64 - len(head)]
-                    got += len(block)
-                if got > size:
-                    out.seek(0)
-                    out.truncate()
-                    h, head, got = hashlib.sha256(), b"", 0
-                client = self._bulk_factory(host)
-                blocks = prefetch(client.blob_chunks(ref.repository, digest, offset=got, size=size))
-            flushed = got
-            for chunk in blocks:
-                got += len(chunk)
-                if got > size:
-                    raise VerificationError(
-                        f"{ref.name}: blob is larger than the {size} bytes the manifest says"
-                    )
+            kept = os.fstat(out.fileno()).st_size
+            kept = 0 if kept > size else kept - kept % stripes.ALIGN  # O_DIRECT goes on aligned
+            out.truncate(kept)
+
+            def consume(block: memoryview) -> None:
+                nonlocal got
                 if len(head) < 64:
-                    head += chunk[: 64 - len(head)]
-                h.update(chunk)
-                if segs is None:
-                    out.write(chunk)
-                    if got - flushed >= WRITEBACK:
-                        # Start writing back what has arrived, so the final fsync
-                        # does not wait for the whole image at once.
-                        out.flush()
-                        _start_writeback(out.fileno(), flushed, got - flushed)
-                        flushed = got
+                    head.extend(block[: 64 - len(head)])
+                h.update(block)
+                got += len(block)
                 if progress:
                     progress(got, size)
+
+            while got < kept and (block := out.read(min(CHUNK, kept - got))):
+                consume(memoryview(block))
+            clients = [client] + [self._client_factory(client.host) for _ in range(connections - 1)]
+            stripes.download(
+                clients,
+                ref.repository,
+                digest,
+                size,
+                tmp,
+                got,
+                self.cfg.pull_stripe_bytes,
+                consume,
+            )
             if got != size:
                 raise RegistryUnreachable(f"{ref.name}: got {got} of {size} bytes")
             if "sha256:" + h.hexdigest() != digest:
                 raise VerificationError(f"{ref.name}: sha256 of the download does not match")
-            if not has_magic(head):
+            if not has_magic(bytes(head)):
                 raise VerificationError(f"{ref.name}: the download is not a SIF file")
-            out.flush()
             os.fsync(out.fileno())
 
     def _touch(

@@ -51,10 +51,11 @@ class Config:
     cache_low_watermark: float = 80.0
     cache_min_age: float = 3600.0
     single_task_tf_config: bool = False
-    # A blob of at least 2 x pull_segment_bytes is fetched over up to pull_connections
-    # Range requests at once (one HTTPS stream is bound by one core on each side).
+    # A blob of at least 2 stripes comes over pull_connections connections, a stripe
+    # (a Range request) at a time on each (one HTTPS stream is bound by one core on
+    # each side); a pull holds (pull_connections + 1) stripes in memory (stripes.py).
     pull_connections: int = 2
-    pull_segment_bytes: int = 128 << 20
+    pull_stripe_bytes: int = 16 << 20
 
     @property
     def allowlist(self) -> tuple[str, ...]:
@@ -83,7 +84,7 @@ _FLOATS = {
     "cache_low_watermark",
     "cache_min_age",
 }
-_INTS = {"pull_connections": (1, 16), "pull_segment_bytes": (1 << 16, 1 << 40)}
+_INTS = {"pull_connections": (1, 16), "pull_stripe_bytes": (1 << 16, 1 << 28)}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
@@ -114,6 +115,9 @@ def _coerce(key: str, value: Any, path: Path) -> Any:
         low, high = _INTS[key]
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise ConfigError(f"{path}: '{key}' must be an integer from {low} to {high}")
+        if key == "pull_stripe_bytes" and value % 4096:
+            # O_DIRECT writes whole aligned blocks (stripes.py)
+            raise ConfigError(f"{path}: 'pull_stripe_bytes' must be a multiple of 4096")
         return value
     if key == "single_task_tf_config":
         if not isinstance(value, bool):

@@ -216,6 +216,7 @@ def serve(path: Path, deadline: float, cfg: Config, resolve_path: Path | None = 
     import tfimage.agent.registry
     import tfimage.agent.resolver
     import tfimage.agent.step
+    import tfimage.agent.stripes
     import tfimage.agent.tfenv
     import tfimage.agent.transport
     import tfimage.epilog.main

@@ -114,7 +114,7 @@ def prune(
 def stale_partials(
     cache: ImageCache, *, dry_run: bool = False, now: float | None = None
 ) -> list[Path]:
-    """Interrupted downloads (``tmp/*.partial`` and their marks) left alone for the
+    """Interrupted downloads (``tmp/*.partial``) left alone for the
     minimum age, whose digest no pull holds now; removed unless ``dry_run``."""
     now = time.time() if now is None else now
     gone = []
@@ -132,9 +132,8 @@ def stale_partials(
             except BlockingIOError:
                 continue  # a pull is resuming it right now
             if not dry_run:
-                for p in (partial, partial.with_name(partial.name + ".parts")):
-                    with contextlib.suppress(FileNotFoundError):
-                        p.unlink()
+                with contextlib.suppress(FileNotFoundError):
+                    partial.unlink()
             gone.append(partial)
         finally:
             os.close(fd)

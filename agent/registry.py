@@ -54,6 +54,53 @@ def sha256_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+class BlobReader:
+    """An open blob response that yields exactly the bytes asked for, into the caller's
+    buffers (``readinto``: no bytes objects on the download's path)."""
+
+    def __init__(self, resp: Response, host: str, *, skip: int, left: int) -> None:
+        self._resp = resp
+        self._host = host
+        self._skip = skip  # a whole blob sent for a range: what comes before it
+        self.left = left
+
+    def readinto(self, buf: memoryview) -> int:
+        """Fill ``buf`` (or what is left of the range); 0 once all of it has come.
+        Fewer bytes when the body broke off: the next call raises
+        :class:`RegistryUnreachable` (so a caller keeps what came)."""
+        want = buf[: min(len(buf), self.left)]
+        got = 0
+        try:
+            while self._skip:
+                scratch = memoryview(bytearray(min(self._skip, CHUNK)))
+                n = self._resp.readinto(scratch)
+                if not n:
+                    break
+                self._skip -= n
+            while got < len(want) and (n := self._resp.readinto(want[got:])):
+                got += n
+        except TransportError as e:
+            if not got:
+                raise RegistryUnreachable(
+                    f"{self._host}: download broke off: {_short(e)}"
+                ) from None
+            self.left -= got
+            return got  # what came before the break counts; the next call raises
+        self.left -= got
+        if want and not got:  # the body ended early: what came was returned before
+            raise RegistryUnreachable(f"{self._host}: download broke off {self.left} bytes short")
+        return got
+
+    def close(self) -> None:
+        self._resp.close()
+
+    def __enter__(self) -> BlobReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class RegistryClient:
     """One registry host.  Tokens are cached per repository scope."""
 
@@ -236,60 +283,42 @@ class RegistryClient:
             headers={"Range": byte_range} if byte_range else {},
         )
 
-    def blob_chunks(
-        self, repository: str, digest: str, offset: int = 0, size: int | None = None
-    ) -> Iterator[bytes]:
-        """Stream a blob from ``offset`` (a Range request); the caller verifies the digest.
+    def open_blob(
+        self, repository: str, digest: str, start: int, end: int, size: int, *, whole_ok: bool
+    ) -> BlobReader:
+        """Open bytes ``[start, end)`` of a blob of ``size`` bytes (the manifest's); the
+        caller verifies the digest.
 
-        A registry that ignores the Range answers 200 with the whole blob: the first
-        ``offset`` bytes are then skipped here.  A Content-Length that disagrees with
-        ``size`` is refused before a byte is read.
+        A part is asked for with a Range request; only a 206 whose Content-Range names
+        exactly that range is taken.  A registry that ignores Range answers 200 with the
+        whole blob: ``whole_ok`` (one stream) skips to ``start``, otherwise that raises
+        :class:`RangeUnsupported` so the caller streams instead.  A Content-Length that
+        disagrees is refused before a byte is read.
         """
-        resp = self._get_blob(repository, digest, f"bytes={offset}-" if offset else "")
-        with resp:
-            if resp.status_code not in ((200, 206) if offset else (200,)):
+        if start == 0 and end == size:
+            byte_range = ""
+        else:  # open-ended when it runs to the end, as a resumed download's does
+            byte_range = f"bytes={start}-" + (str(end - 1) if end < size else "")
+        resp = self._get_blob(repository, digest, byte_range)
+        try:
+            length = resp.headers.get("Content-Length", "")
+            if resp.status_code == 200:
+                if length.isdigit() and int(length) != size:
+                    raise VerificationError(
+                        f"{self.host}/{repository}: the registry sends {int(length)} bytes "
+                        f"for a blob the manifest says has {size}"
+                    )
+                if start and not whole_ok:
+                    raise RangeUnsupported(
+                        f"{self.host}: answers Range requests with the whole blob"
+                    )
+                return BlobReader(resp, self.host, skip=start, left=end - start)
+            if resp.status_code != 206 or not byte_range:
                 raise RegistryError(
                     f"{self.host}/{repository}: blob {digest[:19]} request failed "
                     f"({resp.status_code})"
                 )
-            start = offset if resp.status_code == 206 else 0
-            length = resp.headers.get("Content-Length", "")
-            if size is not None and length.isdigit() and start + int(length) != size:
-                raise VerificationError(
-                    f"{self.host}/{repository}: the registry sends {start + int(length)} bytes "
-                    f"for a blob the manifest says has {size}"
-                )
-            skip = offset - start
-            try:
-                for chunk in iter(lambda: resp.read(CHUNK), b""):
-                    if skip:
-                        cut = min(skip, len(chunk))
-                        chunk, skip = chunk[cut:], skip - cut
-                        if not chunk:
-                            continue
-                    yield chunk
-            except TransportError as e:
-                raise RegistryUnreachable(f"{self.host}: download broke off: {_short(e)}") from None
-
-    def blob_range(self, repository: str, digest: str, start: int, end: int) -> Iterator[bytes]:
-        """Stream bytes ``[start, end)`` of a blob: one segment of a parallel pull.
-
-        Only a 206 whose Content-Range names exactly that range is taken; a registry
-        that ignores Range (200) raises :class:`RangeUnsupported`, so the caller
-        fetches the whole blob in one stream instead.  Never more than the range is
-        yielded, whatever the body holds.
-        """
-        resp = self._get_blob(repository, digest, f"bytes={start}-{end - 1}")
-        with resp:
-            if resp.status_code == 200:
-                raise RangeUnsupported(f"{self.host}: answers Range requests with the whole blob")
-            if resp.status_code != 206:
-                raise RegistryError(
-                    f"{self.host}/{repository}: blob {digest[:19]} range request failed "
-                    f"({resp.status_code})"
-                )
             got_range = resp.headers.get("Content-Range", "")
-            length = resp.headers.get("Content-Length", "")
             if not got_range.startswith(f"bytes {start}-{end - 1}/") or (
                 length and length != str(end - start)
             ):
@@ -297,15 +326,10 @@ class RegistryClient:
                     f"{self.host}/{repository}: asked for bytes {start}-{end - 1}, "
                     f"got {got_range or 'no Content-Range'}"
                 )
-            left = end - start
-            try:
-                while left > 0 and (chunk := resp.read(min(CHUNK, left))):
-                    left -= len(chunk)
-                    yield chunk
-            except TransportError as e:
-                raise RegistryUnreachable(f"{self.host}: download broke off: {_short(e)}") from None
-            if left:
-                raise RegistryUnreachable(f"{self.host}: a range broke off {left} bytes short")
+            return BlobReader(resp, self.host, skip=0, left=end - start)
+        except BaseException:
+            resp.close()
+            raise
 
     # -- writing (admins and the local cluster push images with these) --------------
 

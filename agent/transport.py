@@ -4,10 +4,11 @@
 patching.  Both raise only ``TransportError`` (``TLSError`` for certificate trouble),
 so the client never sees a library's own exception types.
 
-- ``StdlibTransport``: ``http.client`` + ``ssl``, nothing else imported.  For one-shot
-  commands on the job-launch path (pinning a tag at submit): ``import requests``
-  alone costs ~110 ms there, several times the request itself.
-- ``RequestsTransport``: a pooled ``requests.Session``; for pulls and pushes.
+- ``StdlibTransport``: ``http.client`` + ``ssl``, nothing else imported.  For all a
+  node does: pinning a tag at submit (on the job-launch path, where ``import
+  requests`` alone costs ~110 ms, several times the request itself), manifests, and
+  blob downloads (``readinto`` straight into the stripe buffers: no copy).
+- ``RequestsTransport``: a pooled ``requests.Session``; for pushes.
 
 Neither reads proxies or netrc from the environment: only what the config says.
 """
@@ -50,6 +51,10 @@ class Response(Protocol):
 
     def read(self, n: int) -> bytes:
         """Up to ``n`` raw body bytes (b"" at the end); raises TransportError."""
+        ...
+
+    def readinto(self, buf: memoryview) -> int:
+        """Fill ``buf`` from the body (fewer bytes only at its end); raises TransportError."""
         ...
 
     def close(self) -> None: ...
@@ -106,6 +111,13 @@ class _StdlibResponse(_Closing):
     def read(self, n: int) -> bytes:
         try:
             return self._resp.read(n)
+        except (OSError, http.client.HTTPException) as e:
+            raise TransportError(str(e) or type(e).__name__) from None
+
+    def readinto(self, buf: memoryview) -> int:
+        try:
+            # Straight from the TLS layer into the caller's buffer: no bytes object.
+            return self._resp.readinto(buf)
         except (OSError, http.client.HTTPException) as e:
             raise TransportError(str(e) or type(e).__name__) from None
 
@@ -224,6 +236,22 @@ class _RequestsResponse(_Closing):
             return self._resp.raw.read(n, decode_content=False)  # type: ignore[no-any-return]
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
             raise TransportError(str(e) or type(e).__name__) from None
+
+    def readinto(self, buf: memoryview) -> int:
+        got = 0
+        # 1 MiB at a time: urllib3 drops what a read had when the connection breaks.
+        while got < len(buf):
+            try:
+                data = self.read(min(len(buf) - got, 1 << 20))
+            except TransportError:
+                if got:
+                    return got  # what came before the break; the next call raises
+                raise
+            if not data:
+                break
+            buf[got : got + len(data)] = data
+            got += len(data)
+        return got
 
     def close(self) -> None:
         self._resp.close()

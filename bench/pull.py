@@ -3,7 +3,7 @@
 - cold, verified pull of the ~1 GiB tf-custom SIF from the local registry (sha256,
   size and magic checked, fsynced, published) against raw `curl -o` of the same blob
   (no verification: the transfer limit) and oras-py's `Registry.pull()`, interleaved,
-  medians; peak RSS of each; and our pull over one connection, for the segments' share;
+  medians; peak RSS of each; and our pull over one connection, for the stripes' share;
 - 16 concurrent pulls of one uncached image into one cache: downloads and wall time
   against one pull;
 - warm hit: `ensure` of a cached, pinned image, in-process and as a CLI call;
@@ -81,7 +81,7 @@ def main(env: dict[str, str], runs: int) -> None:
         "r.pull(target=sys.argv[1] + '/library/tf-custom:2.0', outdir=sys.argv[4])"
     )
     # "tfimage-1": the same pull over one connection (pull_connections: 1), for the
-    # segments' share of the result.
+    # stripes' share of the result.
     times: dict[str, list[float]] = {"curl": [], "tfimage": [], "tfimage-1": [], "oras-py": []}
     rss: dict[str, list[float]] = {k: [] for k in times}
     for i in range(runs):

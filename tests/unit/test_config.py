@@ -31,6 +31,8 @@ def test_defaults_and_allowlist(tmp_path: Path) -> None:
         ("read_timeout: true\n", "positive number"),
         ("runtime: docker\n", "runtime must be"),
         ("cache_dir: relative/path\n", "absolute"),
+        ("pull_connections: 0\n", "integer from 1 to 16"),
+        ("pull_stripe_bytes: 1000000\n", "multiple of 4096"),
         ("- a\n- b\n", "mapping"),
         ("a: [\n", "not valid YAML"),
     ],

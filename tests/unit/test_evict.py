@@ -158,7 +158,6 @@ def test_prune_drops_interrupted_downloads_nobody_resumed(
     old, young, busy = (f"sha256-{c * 64}" for c in "abc")
     for name in (old, young, busy):
         (tmp / f"{name}.partial").write_bytes(b"x" * 100)
-    (tmp / f"{old}.partial.parts").write_text("{}")
     day_ago = time.time() - DAY
     for name in (old, busy):
         os.utime(tmp / f"{name}.partial", (day_ago, day_ago))

@@ -43,7 +43,8 @@ class Behaviour:
     manifest: bytes = b""
     blob: bytes = b""
     content_length: int | None = None  # claim this many bytes, send the blob
-    cut_after: int | None = None  # close the connection after this many bytes, once
+    cut_after: int | None = None  # close the connection at this byte of the blob...
+    cuts: int = 1  # ... this many times
     delay: float = 0.0  # seconds between 64 KiB pieces
     ranges: list[str] = field(default_factory=list)
     ignore_range: bool = False  # answer 200 with the whole blob, as some servers do
@@ -118,7 +119,9 @@ class Server:
                     at = start + sent
                     if b.cut_after is not None and at <= b.cut_after < at + len(piece):
                         self.wfile.write(piece[: b.cut_after - at])
-                        b.cut_after = None  # only the first time
+                        b.cuts -= 1
+                        if not b.cuts:
+                            b.cut_after = None
                         self.close_connection = True
                         return
                     self.wfile.write(piece)
@@ -255,21 +258,39 @@ def test_ten_gigabyte_content_length(
     nothing_published(cache)
 
 
-def test_broken_download_resumes_with_range(
+def test_a_download_that_broke_off_is_asked_again_from_where_it_stopped(
     server: Server,
     cache_for: Callable[[Server], ImageCache],
     make_sif: Callable[[dict[str, str]], Path],
 ) -> None:
     blob = a_sif(make_sif, size=3_000_000)
-    server.serve(blob, cut_after=2_500_000)  # past the client's first 1 MiB pieces
+    server.serve(blob, cut_after=2_500_000)
     cache = cache_for(server)
-    with pytest.raises(RegistryUnreachable):
-        cache.ensure(cache.cfg.reference("x:1"))
-    [partial] = (cache.root / "tmp").iterdir()
-    kept = partial.stat().st_size
-    assert 0 < kept < len(blob)
     got = cache.ensure(cache.cfg.reference("x:1"))
-    assert server.b.ranges == [f"bytes={kept}-"]
+    # The same pull asks once more, from what it had (requests reads 1 MiB at a time).
+    [again] = server.b.ranges
+    assert again in ("bytes=2500000-", f"bytes={2 << 20}-")
+    assert got.path.read_bytes() == blob
+
+
+def test_a_download_that_keeps_breaking_fails_and_the_next_pull_resumes(
+    server: Server,
+    cache_for: Callable[[Server], ImageCache],
+    make_sif: Callable[[dict[str, str]], Path],
+) -> None:
+    blob = a_sif(make_sif, size=3_000_000)
+    server.serve(blob, cut_after=2_500_000, cuts=3)  # every attempt of the pull
+    cache = cache_for(server)
+    with pytest.raises(RegistryUnreachable, match="broke off"):
+        cache.ensure(cache.cfg.reference("x:1"))
+    nothing_published(cache)
+    [partial] = (cache.root / "tmp").iterdir()
+    kept = partial.stat().st_size  # requests reads 1 MiB at a time
+    assert kept in (2_500_000, 2 << 20) and partial.read_bytes() == blob[:kept]
+    server.b.ranges.clear()
+    got = cache.ensure(cache.cfg.reference("x:1"))
+    # From the kept prefix's last whole 4 KiB block (O_DIRECT writes aligned ones).
+    assert server.b.ranges == [f"bytes={kept - kept % 4096}-"]
     assert got.path.read_bytes() == blob
 
 
@@ -299,7 +320,8 @@ def test_kill_9_mid_pull_then_resume(
 ) -> None:
     blob = a_sif(make_sif, size=2_000_000)
     server.serve(blob, delay=0.05)  # about 40 pieces: 2 s for the whole blob
-    cache = cache_for(server)
+    # One stream, written 64 KiB at a time.
+    cache = cache_for(server, pull_connections=1, pull_stripe_bytes=1 << 16)
     tmp = cache.root / "tmp"
 
     def far_enough() -> bool:
@@ -309,11 +331,12 @@ def test_kill_9_mid_pull_then_resume(
     kill_9_pull_when(tmp_path / "config.yaml", far_enough)
     [partial] = tmp.glob("*.partial")
     kept = partial.stat().st_size
-    assert 0 < kept < len(blob)
+    assert 0 < kept < len(blob) and partial.read_bytes() == blob[:kept]
     nothing_published(cache)
     server.b.delay = 0
+    server.b.ranges.clear()
     got = cache.ensure(cache.cfg.reference("x:1"))
-    assert server.b.ranges and int(server.b.ranges[0].split("=")[1].rstrip("-")) >= kept
+    assert server.b.ranges == [f"bytes={kept - kept % 4096}-"]
     assert got.path.read_bytes() == blob
 
 
@@ -367,7 +390,7 @@ def test_full_disk_is_a_clear_error_and_leaves_the_cache_consistent(
         cfg.write_text(
             f'registry: "{server.host}"\nca_bundle: {tls / "ca.crt"}\n'
             f"credentials: {tmp_path / 'none.yaml'}\ncache_dir: {small / 'cache'}\n"
-            f"pull_connections: {connections}\npull_segment_bytes: {1 << 18}\n"
+            f"pull_connections: {connections}\npull_stripe_bytes: {1 << 18}\n"
         )
         cache = ImageCache(load_config(cfg))
         with pytest.raises(CacheError, match="No space left on device"):
@@ -379,32 +402,33 @@ def test_full_disk_is_a_clear_error_and_leaves_the_cache_consistent(
         subprocess.run(["umount", str(small)], check=True, timeout=30)
 
 
-# --- one blob over several connections (agent/segments.py) ---------------------------
+# --- one blob over several connections (agent/stripes.py) ----------------------------
 
-SEGMENTED = {"pull_connections": 4, "pull_segment_bytes": 1 << 18}
+STRIPED = {"pull_connections": 4, "pull_stripe_bytes": 1 << 18}
 
 
-def _closed_ranges(server: Server) -> list[tuple[int, int]]:
+def _asked(server: Server, size: int) -> list[tuple[int, int]]:
+    """The byte ranges ``[a, b)`` the client asked for, in order."""
     out = []
     for r in server.b.ranges:
         first, _, last = r.removeprefix("bytes=").partition("-")
-        if last:
-            out.append((int(first), int(last) + 1))
+        out.append((int(first), int(last) + 1 if last else size))
     return sorted(out)
 
 
-def test_a_large_blob_comes_over_several_ranges_and_is_verified(
+def test_a_large_blob_comes_in_stripes_and_is_verified(
     server: Server, cache_for: CacheFor, make_sif: Callable[[dict[str, str]], Path]
 ) -> None:
     blob = a_sif(make_sif, size=2_000_000)
     server.serve(blob)
-    cache = cache_for(server, **SEGMENTED)
+    cache = cache_for(server, **STRIPED)
     got = cache.ensure(cache.cfg.reference("x:1"))
     assert got.path.read_bytes() == blob
-    ranges = _closed_ranges(server)
-    assert len(ranges) == 4 and ranges[0][0] == 0 and ranges[-1][1] == len(blob)
+    ranges = _asked(server, len(blob))
+    assert len(ranges) == -(-len(blob) // (1 << 18))  # one request per stripe
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(blob)
     assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # a cover
-    assert not any((cache.root / "tmp").iterdir())  # no partial file, no marks
+    assert not any((cache.root / "tmp").iterdir())  # no partial file left
 
 
 def test_a_registry_that_ignores_range_is_read_in_one_stream(
@@ -412,42 +436,42 @@ def test_a_registry_that_ignores_range_is_read_in_one_stream(
 ) -> None:
     blob = a_sif(make_sif, size=2_000_000)
     server.serve(blob, ignore_range=True)
-    cache = cache_for(server, **SEGMENTED)
+    cache = cache_for(server, **STRIPED)
     got = cache.ensure(cache.cfg.reference("x:1"))
     assert got.path.read_bytes() == blob and server.b.ranges  # it asked, then streamed
     assert not any((cache.root / "tmp").iterdir())
 
 
-def test_a_bad_segment_fails_the_sha256_and_leaves_nothing(
+def test_a_bad_stripe_fails_the_sha256_and_leaves_nothing(
     server: Server, cache_for: CacheFor, make_sif: Callable[[dict[str, str]], Path]
 ) -> None:
     good = a_sif(make_sif, size=2_000_000)
     evil = bytearray(good)
-    evil[len(good) * 3 // 4] ^= 0xFF  # inside a later segment, not the first
+    evil[len(good) * 3 // 4] ^= 0xFF  # inside a later stripe, not the first
     server.serve(
         bytes(evil), layers=[{"mediaType": SIF_LAYER, "digest": digest_of(good), "size": len(good)}]
     )
-    cache = cache_for(server, **SEGMENTED)
+    cache = cache_for(server, **STRIPED)
     with pytest.raises(VerificationError, match="sha256 of the download does not match"):
         cache.ensure(cache.cfg.reference("x:1"))
     nothing_published(cache)
     assert not any((cache.root / "tmp").iterdir())
 
 
-def test_a_segment_that_breaks_off_is_asked_again_from_where_it_stopped(
+def test_a_stripe_that_breaks_off_is_asked_again_from_where_it_stopped(
     server: Server, cache_for: CacheFor, make_sif: Callable[[dict[str, str]], Path]
 ) -> None:
     blob = a_sif(make_sif, size=2_000_000)
-    cut = len(blob) * 5 // 8  # inside the third of four segments
+    cut = len(blob) * 5 // 8 + 1000  # inside a stripe, not on a 64 KiB piece's edge
     server.serve(blob, cut_after=cut)
-    cache = cache_for(server, **SEGMENTED)
+    cache = cache_for(server, **STRIPED)
     got = cache.ensure(cache.cfg.reference("x:1"))
     assert got.path.read_bytes() == blob
-    starts = [a for a, _ in _closed_ranges(server)]
-    assert len(starts) == 5 and cut in starts  # the four, then the rest of the third
+    starts = [a for a, _ in _asked(server, len(blob))]
+    assert len(starts) == -(-len(blob) // (1 << 18)) + 1 and cut in starts  # and the rest
 
 
-def test_kill_9_mid_segmented_pull_resumes_each_segment_from_its_mark(
+def test_kill_9_mid_striped_pull_resumes_from_the_prefix_it_wrote(
     server: Server,
     cache_for: CacheFor,
     tmp_path: Path,
@@ -455,28 +479,28 @@ def test_kill_9_mid_segmented_pull_resumes_each_segment_from_its_mark(
 ) -> None:
     blob = a_sif(make_sif, size=3_000_000)
     server.serve(blob, delay=0.05)  # 64 KiB every 50 ms on each connection
-    # Two segments of ~3 MB: each mark moves a 1 MiB read at a time, so there is
-    # time to see one move before either segment is done.
-    cache = cache_for(server, pull_connections=2, pull_segment_bytes=1 << 18)
-    marks = cache.root / "tmp"
+    cache = cache_for(server, pull_connections=2, pull_stripe_bytes=1 << 16)
+    tmp = cache.root / "tmp"
 
-    def one_mark_moved() -> bool:
-        found = list(marks.glob("*.parts")) if marks.exists() else []
-        segs = json.loads(found[0].read_text())["segments"] if found else []
-        return any(start < done < end for start, end, done in segs)
+    def far_enough() -> bool:
+        parts = list(tmp.glob("*.partial")) if tmp.exists() else []
+        return bool(parts) and parts[0].stat().st_size > 400_000
 
-    kill_9_pull_when(tmp_path / "config.yaml", one_mark_moved)
+    kill_9_pull_when(tmp_path / "config.yaml", far_enough)
     nothing_published(cache)
-    segs = json.loads(next(marks.glob("*.parts")).read_text())["segments"]
-    unfinished = [(done, end) for start, end, done in segs if done < end]
-    assert unfinished and any(start < done < end for start, end, done in segs), segs
+    [partial] = tmp.glob("*.partial")
+    kept = partial.stat().st_size
+    # Stripes came over two connections, yet the file is the blob's first bytes.
+    assert 400_000 < kept < len(blob) and partial.read_bytes() == blob[:kept]
     server.b.delay = 0
     server.b.ranges.clear()
     got = cache.ensure(cache.cfg.reference("x:1"))
     assert got.path.read_bytes() == blob
-    # Each unfinished segment went on from its mark, nothing was fetched twice.
-    assert sorted(server.b.ranges) == sorted(f"bytes={d}-{e - 1}" for d, e in unfinished)
-    assert not any(marks.iterdir())
+    ranges = _asked(server, len(blob))
+    # From the prefix's last whole 4 KiB block on, each byte asked for once.
+    assert ranges[0][0] == kept - kept % 4096 and ranges[-1][1] == len(blob)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    assert not any(tmp.iterdir())
 
 
 def test_pinned_ensures_waiting_for_one_download_ask_the_registry_nothing(

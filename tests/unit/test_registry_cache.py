@@ -149,7 +149,7 @@ def test_first_registry_down_the_mirror_serves(
 
 
 def test_writeback_hint_is_best_effort(tmp_path: Path) -> None:
-    from tfimage.agent.cache import _start_writeback
+    from tfimage.agent.stripes import _start_writeback
 
     p = tmp_path / "blob"
     with p.open("wb") as f:

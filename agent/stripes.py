@@ -1,0 +1,270 @@
+"""A blob's download: received into stripe buffers, hashed in order from memory, and
+appended in order to the partial file, with O_DIRECT where the filesystem allows it.
+
+Why, measured on this project's 2-core machines (a 0.94 GiB blob, local registry, TLS):
+
+- one HTTPS stream is bound by one core on each side (the registry reads and
+  encrypts serially per request): one curl stream ~0.45 GiB/s, two at once ~0.7;
+- writing through the page cache and then fsyncing costs about twice what O_DIRECT
+  does (dd: 1.45 s against 0.72 s a GiB), on cores the registry needs too;
+- reading the file back to hash it in order (the design before this one) is one
+  more copy of every byte.
+
+So with ``pull_connections`` > 1 each connection asks for one stripe
+(``pull_stripe_bytes``) at a time with a Range request, straight into a buffer of
+its own (``readinto``: no bytes objects); the caller hashes the buffers in the
+blob's order while a writer thread appends them in that order.  ``connections + 1``
+buffers bound the memory, and so how far one connection may run ahead.  A
+connection takes a stripe only once it holds a buffer, so the lowest stripe not yet
+hashed always has one: the buffers cannot all wait on each other.
+
+The partial file is therefore always a prefix of the blob: an interrupted download
+(a kill -9, a dropped connection, a crash) resumes from its end, whatever the number
+of connections, and needs no other record.  The sha256 over the whole file, checked
+before publishing, decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tfimage.agent.errors import RegistryUnreachable
+
+if TYPE_CHECKING:
+    from tfimage.agent.registry import RegistryClient
+
+# O_DIRECT wants offsets, lengths and buffer addresses aligned to the device's
+# block; 4 KiB covers every block size Linux filesystems use.
+ALIGN = 4096
+# A connection that broke off is asked again from where it stopped.
+ATTEMPTS = 3
+# Buffered writes (no O_DIRECT here) start writeback every so often, so the fsync
+# before publishing does not wait for the whole image at once.
+WRITEBACK = 64 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+@dataclass(slots=True)
+class _Block:
+    offset: int
+    length: int
+    view: memoryview
+
+
+class _Stopped(Exception):  # noqa: N818 - a signal between threads, not an error
+    """The download was abandoned; a worker just leaves."""
+
+
+def jobs(start: int, size: int, connections: int, stripe: int) -> list[tuple[int, int]]:
+    """The requests ``[a, b)`` for bytes ``[start, size)``: stripes when there are
+    several connections and at least two stripes' worth, else one stream."""
+    if connections > 1 and size - start >= 2 * stripe:
+        return [(a, min(a + stripe, size)) for a in range(start, size, stripe)]
+    return [(start, size)] if start < size else []
+
+
+def download(
+    clients: Sequence[RegistryClient],
+    repository: str,
+    digest: str,
+    size: int,
+    partial: Path,
+    start: int,
+    stripe: int,
+    consume: Callable[[memoryview], None],
+) -> None:
+    """Fetch bytes ``[start, size)`` of a blob with one client per connection, call
+    ``consume`` with them in order (in this thread), and append them to ``partial``
+    (which holds exactly ``start`` bytes, ``start`` a multiple of ALIGN).  Not
+    fsynced.  The first error of any thread is raised here."""
+    todo = jobs(start, size, len(clients), stripe)
+    if not todo:
+        return
+    striped = len(todo) > 1
+    workers = min(len(clients), len(todo))
+    bufsize = min(stripe, -(-(size - start) // ALIGN) * ALIGN)
+    pool: queue.Queue[memoryview] = queue.Queue()
+    for _ in range(workers + 1):
+        pool.put(memoryview(mmap.mmap(-1, bufsize)))
+    cond = threading.Condition()
+    ready: dict[int, _Block] = {}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    pending = iter(todo)
+    take = threading.Lock()
+    written = queue.Queue[_Block | None]()
+
+    def buffer() -> memoryview:
+        while not stop.is_set():
+            with contextlib.suppress(queue.Empty):
+                return pool.get(timeout=0.2)
+        raise _Stopped
+
+    def deliver(block: _Block) -> None:
+        with cond:
+            ready[block.offset] = block
+            cond.notify_all()
+
+    def fail(e: BaseException) -> None:
+        with cond:
+            errors.append(e)
+            cond.notify_all()
+
+    def fetch(client: RegistryClient, a: int, b: int, view: memoryview) -> None:
+        """Bytes [a, b) into consecutive buffers, the first ``view``; every full
+        buffer (and the last) is delivered.  A broken connection is asked again."""
+        pos, filled, attempt = a, 0, 0
+        while pos < b:
+            try:
+                with client.open_blob(
+                    repository, digest, pos, b, size, whole_ok=not striped
+                ) as body:
+                    while pos < b:
+                        if stop.is_set():
+                            raise _Stopped
+                        n = body.readinto(view[filled : min(len(view), filled + b - pos)])
+                        filled += n
+                        pos += n
+                        if filled == len(view) or pos == b:
+                            deliver(_Block(pos - filled, filled, view))
+                            if pos < b:
+                                view, filled = buffer(), 0
+            except RegistryUnreachable:
+                attempt += 1
+                if attempt >= ATTEMPTS or stop.is_set():
+                    if filled:  # kept, if it continues the prefix: the next pull goes on
+                        deliver(_Block(pos - filled, filled, view))
+                    raise
+
+    def work(client: RegistryClient) -> None:
+        try:
+            while True:
+                view = buffer()  # before the job: see the module's docstring
+                with take:
+                    job = next(pending, None)
+                if job is None:
+                    pool.put(view)
+                    return
+                fetch(client, *job, view)
+        except _Stopped:
+            pass
+        except BaseException as e:  # handed to the caller, raised there
+            fail(e)
+
+    def write() -> None:
+        try:
+            with _Appender(partial) as out:
+                while (block := written.get()) is not None:
+                    out.write(block.view[: block.length], block.offset)
+                    pool.put(block.view)
+        except BaseException as e:
+            stop.set()
+            fail(e)
+            while written.get() is not None:
+                pass  # let the caller hand over what it has, and finish
+
+    writer = threading.Thread(target=write, name="tfimage-writer", daemon=True)
+    threads = [
+        threading.Thread(target=work, args=(c,), name=f"tfimage-fetch-{i}", daemon=True)
+        for i, c in enumerate(clients[:workers])
+    ]
+    writer.start()
+    for t in threads:
+        t.start()
+    try:
+        offset = start
+        while offset < size:
+            with cond:
+                while offset not in ready and not errors:
+                    cond.wait(1.0)
+                if offset not in ready:  # what is ready in order is kept first
+                    raise errors[0]
+                block = ready.pop(offset)
+            consume(block.view[: block.length])
+            written.put(block)
+            offset += block.length
+    finally:
+        stop.set()
+        written.put(None)
+        writer.join()
+        for t in threads:
+            t.join(timeout=1.0)
+    if errors:
+        raise errors[0]  # the writer's, after the last block was handed over
+
+
+class _Appender:
+    """Appends blocks in order: O_DIRECT for whole aligned blocks where the
+    filesystem takes it, the page cache for the tail (and everywhere else)."""
+
+    def __init__(self, path: Path) -> None:
+        flags = os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+        self.fd = os.open(path, flags)
+        self.direct: int | None = None
+        try:
+            self.direct = os.open(path, flags | os.O_DIRECT)
+        except OSError as e:  # tmpfs and some others refuse it
+            if e.errno != errno.EINVAL:
+                os.close(self.fd)
+                raise
+        self.flushed: int | None = None
+
+    def write(self, view: memoryview, offset: int) -> None:
+        aligned = self.direct is not None and len(view) % ALIGN == 0 and offset % ALIGN == 0
+        fd = self.direct if aligned and self.direct is not None else self.fd
+        done = 0
+        while done < len(view):
+            try:
+                done += os.pwrite(fd, view[done:], offset + done)
+            except OSError as e:
+                if fd != self.direct or e.errno != errno.EINVAL:
+                    raise
+                fd = self.fd  # opened with O_DIRECT, refused at write: the page cache
+        if fd == self.fd:
+            if self.flushed is None:
+                self.flushed = offset
+            if offset + len(view) - self.flushed >= WRITEBACK:
+                _start_writeback(self.fd, self.flushed, offset + len(view) - self.flushed)
+                self.flushed = offset + len(view)
+
+    def __enter__(self) -> _Appender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+        if self.direct is not None:
+            os.close(self.direct)
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """sync_file_range(SYNC_FILE_RANGE_WRITE): queue the range for writeback and
+    return at once (Linux; Python's os module lacks it).  Best effort: the fsync
+    before publishing is what makes the file durable."""
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.sync_file_range.argtypes = [
+                ctypes.c_int,
+                ctypes.c_int64,
+                ctypes.c_int64,
+                ctypes.c_uint,
+            ]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+_libc: Any = None
