@@ -51,11 +51,13 @@ class Config:
     cache_low_watermark: float = 80.0
     cache_min_age: float = 3600.0
     single_task_tf_config: bool = False
-    # A blob of at least 2 stripes comes over pull_connections connections, a stripe
-    # (a Range request) at a time on each (one HTTPS stream is bound by one core on
-    # each side); a pull holds (pull_connections + 1) stripes in memory (stripes.py).
-    pull_connections: int = 2
-    pull_stripe_bytes: int = 16 << 20
+    # A pull holds (pull_connections + 1) buffers of pull_stripe_bytes (stripes.py).
+    # With more than one connection, a blob of at least two stripes comes a stripe (a
+    # Range request) at a time on each: worth it where one HTTPS stream is bound by
+    # one core on each side (fast links, many cores), not on 2 cores, where one
+    # stream was as fast and cost the registry a quarter less CPU (bench/pull.py).
+    pull_connections: int = 1
+    pull_stripe_bytes: int = 8 << 20
 
     @property
     def allowlist(self) -> tuple[str, ...]:
