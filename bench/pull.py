@@ -171,6 +171,44 @@ def main(env: dict[str, str], runs: int) -> None:
             f"= {wall / med['tfimage']:.2f}x one pull (goal <= 1.2)"
         )
 
+    # The same in one process: N threads, timed inside, so no interpreter start is
+    # counted, as with the node daemon, whose forked workers import nothing.
+    threads_code = (
+        "import json, sys, threading, time; from tfimage.agent.config import load_config; "
+        "from tfimage.agent.cache import ImageCache; c = load_config(sys.argv[1]); "
+        "ref = c.reference(sys.argv[2]); n = int(sys.argv[3]); hits = []; "
+        "go = threading.Barrier(n + 1); "
+        "ts = [threading.Thread(target=lambda: (go.wait(), "
+        "hits.append(ImageCache(c).ensure(ref).hit))) for _ in range(n)]; "
+        "[t.start() for t in ts]; go.wait(); t0 = time.perf_counter(); "
+        "[t.join() for t in ts]; "
+        "print(json.dumps({'wall': time.perf_counter() - t0, 'hits': hits}))"
+    )
+    one: list[float] = []
+    many: list[float] = []
+    downloads = []
+    for r in range(3):
+        for n, into in ((1, one), (16, many)):
+            cache = work / f"cache-threads-{n}-{r}"
+            os.sync()
+            out = subprocess.run(
+                [py, "-c", threads_code, str(site(cache)), pinned_text, str(n)],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            got = json.loads(out)
+            into.append(got["wall"])
+            if n == 16:
+                downloads.append(got["hits"].count(False))
+            shutil.rmtree(cache)
+    print(
+        f"concurrent (pinned, 16 threads in one process): {min(downloads)}-{max(downloads)} "
+        f"download(s), median wall {statistics.median(many):.2f} s against "
+        f"{statistics.median(one):.2f} s for one = "
+        f"{statistics.median(many) / statistics.median(one):.2f}x (goal <= 1.2)"
+    )
+
     # Warm hits, pinned (no registry round trip).
     c = ImageCache(config_from_mapping({**cfg, "cache_dir": str(cache)}, conf))
     pinned = c.cfg.reference(f"{ref_text}@{manifest.digest}")
