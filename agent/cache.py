@@ -145,17 +145,22 @@ class ImageCache:
             return CachedImage(ref, path, path.stat().st_size, True, time.monotonic() - started)
         last: RegistryUnreachable | None = None
         for host in self.cfg.sources(ref):
-            client = self._client_factory(host)
             try:
                 if ref.digest:
                     # Pinned (the prolog's case): the lock first, so the jobs waiting
-                    # for one download find it done and ask the registry nothing.
+                    # for one download find it done and ask the registry nothing (nor
+                    # import its client).
                     with self.lock(ref.digest):
                         path = self.path_of(ref.digest)
                         hit = path.exists()
-                        blob = None if hit else self._fill(client, host, ref, progress)
+                        blob = (
+                            None
+                            if hit
+                            else self._fill(self._client_factory(host), host, ref, progress)
+                        )
                     pinned = ref
                 else:
+                    client = self._client_factory(host)
                     manifest = client.manifest(ref.repository, ref.version)
                     pinned = ref.pinned(manifest.digest)
                     path = self.path_of(manifest.digest)

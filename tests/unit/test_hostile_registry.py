@@ -513,3 +513,33 @@ def test_pinned_ensures_waiting_for_one_download_ask_the_registry_nothing(
     hits, errors = at_once(lambda: cache.ensure(ref).hit, 8)
     assert not errors and sorted(hits) == [False] + [True] * 7
     assert server.b.manifest_requests == 1  # only the one that downloaded asked
+
+
+def test_a_pinned_ensure_that_waited_for_the_download_never_loads_the_registry_client(
+    server: Server, cache_for: CacheFor, tmp_path: Path, make_sif: Callable[[dict[str, str]], Path]
+) -> None:
+    """What 16 prologs for one new image pay: each waiter only takes the lock."""
+    blob = a_sif(make_sif)
+    server.serve(blob)
+    cache = cache_for(server)
+    digest = digest_of(server.b.manifest)
+    cache._dirs()
+    code = (
+        "import json, sys; from tfimage.agent.config import load_config; "
+        "from tfimage.agent.cache import ImageCache; c = load_config(sys.argv[1]); "
+        "g = ImageCache(c).ensure(c.reference(sys.argv[2])); "
+        "print(json.dumps([g.hit, 'tfimage.agent.registry' in sys.modules]))"
+    )
+    with cache.lock(digest):  # the download in progress, as another pull holds it
+        waiter = subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path / "config.yaml"), f"x@{digest}"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(0.5)  # it starts and queues on the lock
+        done = cache.root / "tmp" / "published"
+        done.write_bytes(blob)
+        done.rename(cache.path_of(digest))  # the download finished
+    out, _ = waiter.communicate(timeout=30)
+    assert json.loads(out) == [True, False]  # a hit, and no registry client loaded
+    assert server.b.manifest_requests == 0
