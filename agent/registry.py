@@ -71,9 +71,8 @@ class BlobReader:
         want = buf[: min(len(buf), self.left)]
         got = 0
         try:
-            while self._skip:
-                scratch = memoryview(bytearray(min(self._skip, CHUNK)))
-                n = self._resp.readinto(scratch)
+            while self._skip:  # into the caller's buffer, overwritten below
+                n = self._resp.readinto(buf[: min(self._skip, len(buf))])
                 if not n:
                     break
                 self._skip -= n

@@ -221,7 +221,7 @@ class _Appender:
         self.flushed: int | None = None
 
     def write(self, view: memoryview, offset: int) -> None:
-        aligned = self.direct is not None and len(view) % ALIGN == 0 and offset % ALIGN == 0
+        aligned = len(view) % ALIGN == 0 and offset % ALIGN == 0
         fd = self.direct if aligned and self.direct is not None else self.fd
         done = 0
         while done < len(view):

@@ -25,6 +25,11 @@ from pathlib import Path
 import yaml
 
 GIB = 1 << 30
+# The start of each pulling child's program: the site config (argv[1]) and a cache.
+LOAD = (
+    "from tfimage.agent.config import load_config; "
+    "from tfimage.agent.cache import ImageCache; c = load_config(sys.argv[1]); "
+)
 
 
 CPU: dict[str, list[float]] = {}  # user + system seconds of each child, by what it ran
@@ -78,9 +83,9 @@ def main(env: dict[str, str], runs: int) -> None:
         return p
 
     ours = (
-        "import json, sys; from tfimage.agent.config import load_config; "
-        "from tfimage.agent.cache import ImageCache; c = load_config(sys.argv[1]); "
-        "g = ImageCache(c).ensure(c.reference(sys.argv[2])); print(json.dumps({'hit': g.hit}))"
+        "import json, sys; "
+        + LOAD
+        + "g = ImageCache(c).ensure(c.reference(sys.argv[2])); print(json.dumps({'hit': g.hit}))"
     )
     oras_code = (
         "import sys, oras.provider; r = oras.provider.Registry(hostname=sys.argv[1], "
@@ -174,9 +179,9 @@ def main(env: dict[str, str], runs: int) -> None:
     # The same in one process: N threads, timed inside, so no interpreter start is
     # counted, as with the node daemon, whose forked workers import nothing.
     threads_code = (
-        "import json, sys, threading, time; from tfimage.agent.config import load_config; "
-        "from tfimage.agent.cache import ImageCache; c = load_config(sys.argv[1]); "
-        "ref = c.reference(sys.argv[2]); n = int(sys.argv[3]); hits = []; "
+        "import json, sys, threading, time; "
+        + LOAD
+        + "ref = c.reference(sys.argv[2]); n = int(sys.argv[3]); hits = []; "
         "go = threading.Barrier(n + 1); "
         "ts = [threading.Thread(target=lambda: (go.wait(), "
         "hits.append(ImageCache(c).ensure(ref).hit))) for _ in range(n)]; "
