@@ -48,39 +48,42 @@ alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 # ---------------------------------------------------------------------------- down
 
-kill_ns_procs() { # every process sharing NODE's recorded mount namespace
-    local nsfile=$RUN/$1.mntns ns pid
-    [ -f "$nsfile" ] || return 0
-    ns=$(cat "$nsfile")
-    # Never the machine's own mount namespace: that would be every process.
-    if [ "$ns" = "$(readlink /proc/self/ns/mnt)" ] || [ "$ns" = "$(readlink /proc/1/ns/mnt)" ]; then
-        rm -f "$nsfile"
-        return 0
-    fi
+kill_listed() { # WHY CMD...: SIGKILL the pids CMD prints until it prints none
+    # (2 s at most); WHY, when not empty, is logged with how many there were.
+    local why=$1 pids
+    shift
     for _ in 1 2 3 4 5 6 7 8 9 10; do
-        local pids=()
-        for p in /proc/[0-9]*; do
-            pid=${p#/proc/}
-            [ "$(readlink "$p/ns/mnt" 2>/dev/null)" = "$ns" ] && pids+=("$pid")
-        done
+        mapfile -t pids < <("$@" 2>/dev/null)
         [ ${#pids[@]} -eq 0 ] && break
+        [ -z "$why" ] || log "killing ${#pids[@]} process(es) $why"
         kill -KILL "${pids[@]}" 2>/dev/null || true
         sleep 0.2
     done
+}
+
+mntns_pids() { # NS: the pids whose mount namespace is NS
+    local p
+    for p in /proc/[0-9]*; do
+        [ "$(readlink "$p/ns/mnt" 2>/dev/null)" = "$1" ] && echo "${p#/proc/}"
+    done
+    return 0
+}
+
+kill_ns_procs() { # every process sharing NODE's recorded mount namespace
+    local nsfile=$RUN/$1.mntns ns
+    [ -f "$nsfile" ] || return 0
+    ns=$(cat "$nsfile")
+    # Never the machine's own mount namespace: that would be every process.
+    if [ "$ns" != "$(readlink /proc/self/ns/mnt)" ] && [ "$ns" != "$(readlink /proc/1/ns/mnt)" ]; then
+        kill_listed "" mntns_pids "$ns"
+    fi
     rm -f "$nsfile"
 }
 
 kill_netns_procs() { # what is still in NODE's network namespace (a container's
     # processes have their own mount namespace, so kill_ns_procs misses them)
-    local pids
     ip netns list 2>/dev/null | grep -qw "^$1" || return 0
-    for _ in 1 2 3 4 5 6 7 8 9 10; do
-        mapfile -t pids < <(ip netns pids "$1" 2>/dev/null)
-        [ ${#pids[@]} -eq 0 ] && break
-        log "killing ${#pids[@]} process(es) left in $1's network namespace"
-        kill -KILL "${pids[@]}" 2>/dev/null || true
-        sleep 0.2
-    done
+    kill_listed "left in $1's network namespace" ip netns pids "$1"
 }
 
 stop_pid() { # PIDFILE: TERM, then KILL after 5 s; by PID, never by name
