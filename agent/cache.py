@@ -107,7 +107,8 @@ class ImageCache:
         # that downloads reads straight into its buffers (transport.py).
         self._client_factory = client_factory or (lambda host: client_for(cfg, host, light=True))
 
-    def _dirs(self) -> None:
+    def make_dirs(self) -> None:
+        """The cache's directories, created where missing (root-owned, 0755)."""
         for sub in ("", "images", "locks", "tmp"):
             d = self.root / sub
             d.mkdir(mode=0o755, exist_ok=True, parents=(sub == ""))
@@ -137,7 +138,7 @@ class ImageCache:
         an image a running job holds.
         """
         started = time.monotonic()
-        self._dirs()
+        self.make_dirs()
         if ref.digest and self.path_of(ref.digest).exists():
             # Pinned and present: no registry round trip, not even an import.
             path = self.path_of(ref.digest)

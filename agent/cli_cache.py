@@ -41,11 +41,30 @@ def _pins(cache: ImageCache) -> list[str]:
     return [p for p in pins if isinstance(p, str)] if isinstance(pins, list) else []
 
 
-def _save_pins(cache: ImageCache, pins: list[str]) -> None:
+def _change_pins(cache: ImageCache, change: Callable[[list[str]], list[str]]) -> None:
+    """Read, change and replace the pins list under its lock: two operators (or an
+    operator and the warm timer) at once lose neither's pin."""
+    import fcntl
+    import os
+
+    cache.make_dirs()
     path = _pins_file(cache)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(sorted(set(pins))))
-    tmp.replace(path)
+    fd = os.open(cache.root / "locks" / "pins.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        data = json.dumps(sorted(set(change(_pins(cache))))).encode()
+        tmp = path.with_suffix(".tmp")
+        out = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644
+        )
+        try:
+            os.write(out, data)
+            os.fsync(out)
+        finally:
+            os.close(out)
+        os.replace(tmp, path)
+    finally:
+        os.close(fd)
 
 
 def _digest_of(cache: ImageCache, cfg: Config, what: str) -> str:
@@ -161,17 +180,16 @@ def _pin(args: argparse.Namespace, pinned: bool) -> int:
     cache = _cache(args)
     cfg = cache.cfg
     ref = cfg.reference(args.image)
-    pins = _pins(cache)
     if pinned:
         got = cache.ensure(ref)
         assert got.ref.digest
         set_pinned(cache, got.ref.digest, True)
-        _save_pins(cache, [*pins, str(ref)])
+        _change_pins(cache, lambda pins: [*pins, str(ref)])
         _out(args, {"pinned": str(got.ref)}, f"pinned {got.ref}")
         return 0
     digest = _digest_of(cache, cfg, args.image)
     set_pinned(cache, digest, False)
-    _save_pins(cache, [p for p in pins if p != str(ref)])
+    _change_pins(cache, lambda pins: [p for p in pins if p != str(ref)])
     _out(args, {"unpinned": digest}, f"unpinned {digest}")
     return 0
 
@@ -206,27 +224,41 @@ def cmd_warm(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+EXIT_CODES = (
+    "Exit codes: 0 ok, 1 error (verify: an entry is bad; warm: a pinned image could "
+    "not be fetched), 2 bad config, credentials or reference, 3 the image could not "
+    "be pulled, 70 internal error."
+)
+_IMAGE = "a cached image: reference (tf-custom:2.0), digest, or a unique digest prefix"
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], pull: Handler) -> None:
-    c = sub.add_parser("cache", help="inspect and manage this node's image cache")
+    c = sub.add_parser(
+        "cache", help="inspect and manage this node's image cache", epilog=EXIT_CODES
+    )
     csub = c.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
 
     def add(name: str, handler: Handler, help_: str) -> argparse.ArgumentParser:
-        p = csub.add_parser(name, help=help_, description=help_)
+        p = csub.add_parser(name, help=help_, description=help_, epilog=EXIT_CODES)
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=handler)
         return p
 
     add("ls", cmd_ls, "list cached images: size, last use, pin, holding jobs, refs")
-    add("pull", pull, "pull an image into the cache").add_argument("ref")
+    add("pull", pull, "pull an image into the cache").add_argument(
+        "ref", help="image reference, e.g. tf-custom:2.0 or project/name@sha256:..."
+    )
     rm = add("rm", cmd_rm, "remove an image (never one a running job holds)")
-    rm.add_argument("image", help="reference, digest or unique digest prefix")
+    rm.add_argument("image", help=_IMAGE)
     rm.add_argument("--force", action="store_true", help="remove even if pinned")
     pr = add("prune", cmd_prune, "evict least recently used images down to the low watermark")
     pr.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
     add(
         "pin", lambda a: _pin(a, True), "pull an image and keep it (never evicted, kept warm)"
-    ).add_argument("image")
-    add("unpin", lambda a: _pin(a, False), "let an image be evicted again").add_argument("image")
+    ).add_argument("image", help="image reference to pull and keep, e.g. tf-custom:2.0")
+    add("unpin", lambda a: _pin(a, False), "let an image be evicted again").add_argument(
+        "image", help="image reference that was pinned"
+    )
     add("verify", cmd_verify, "re-check every image's sha256 and SIF magic")
     add("du", cmd_du, "cache size and filesystem usage against the watermarks")
     add("warm", cmd_warm, "fetch every pinned image (for a timer or cron)")

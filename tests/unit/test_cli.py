@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,16 @@ def test_help_explains_every_command() -> None:
     for cmd in ("resolve", "pull", "push", "cache"):
         assert cmd in top.stdout
         assert tfimage(cmd, "--help").returncode == 0
+    actions = ("ls", "pull", "rm", "prune", "pin", "unpin", "verify", "du", "warm")
+    listing = tfimage("cache", "--help").stdout
+    for action in actions:
+        assert action in listing
+        r = tfimage("cache", action, "--help")
+        assert r.returncode == 0 and "--json" in r.stdout and "Exit codes:" in r.stdout
+        # A positional argument is explained, not just named.
+        assert "positional arguments:" not in r.stdout or re.search(
+            r"positional arguments:\n  \w+ +\S", r.stdout
+        ), r.stdout
 
 
 def test_step_prepare_refuses_root_tasks(cfg: Path) -> None:

@@ -19,6 +19,7 @@ from tfimage.agent.errors import CacheError
 from tfimage.agent.evict import prune, remove, set_pinned, usage, verify
 
 DAY = 86400.0
+CLI = (sys.executable, "-m", "tfimage.agent.cli")
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ def limited(cfg_path: Path, cache: ImageCache, fraction: float) -> ImageCache:
 def cache_cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`tfimage --config CONFIG cache ARGS...` as an operator runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "tfimage.agent.cli", "--config", str(config), "cache", *args],
+        [*CLI, "--config", str(config), "cache", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -144,6 +145,37 @@ def test_pin_and_warm_follow_a_moved_tag(
     entries = json.loads(tfimage("ls", "--json").stdout)
     assert {e["digest"]: e["pinned"] for e in entries}[new] is True
     assert len(entries) == 2  # the old bytes stay, pinned too, until unpinned
+
+
+def test_concurrent_pins_lose_none(filled: tuple[ImageCache, dict[str, str], Path]) -> None:
+    """Operators (or the warm timer) changing pins at once: each change waits for the
+    pins lock, and none is lost."""
+    import fcntl
+
+    cache, _, cfg_path = filled
+    fd = os.open(cache.root / "locks" / "pins.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        procs = [
+            subprocess.Popen(
+                [*CLI, "--config", str(cfg_path), "cache", "pin", f"ev{name}:1"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for name in "abcd"
+        ]
+        time.sleep(2.0)
+        assert all(p.poll() is None for p in procs)  # waiting for the lock
+        assert not (cache.root / "pins.json").exists()
+    finally:
+        os.close(fd)
+    for p in procs:
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    pins = json.loads((cache.root / "pins.json").read_text())
+    assert pins == sorted(str(cache.cfg.reference(f"ev{n}:1")) for n in "abcd")
+    assert all(e["pinned"] for e in cache.entries())
 
 
 def test_prune_drops_interrupted_downloads_nobody_resumed(

@@ -523,7 +523,7 @@ def test_a_pinned_ensure_that_waited_for_the_download_never_loads_the_registry_c
     server.serve(blob)
     cache = cache_for(server)
     digest = digest_of(server.b.manifest)
-    cache._dirs()
+    cache.make_dirs()
     code = (
         "import json, sys; from tfimage.agent.config import load_config; "
         "from tfimage.agent.cache import ImageCache; c = load_config(sys.argv[1]); "
