@@ -3,7 +3,8 @@
 Layout under ``cache_dir`` (root-owned, 0755)::
 
     images/sha256-<hex>.sif     published images, mode 0444, never rewritten
-    images/sha256-<hex>.json    metadata: refs, size, created, last_used
+    images/sha256-<hex>.json    metadata: refs, size, created, last_used, pinned,
+                                holders (jobs), blob, source (who served it)
     locks/sha256-<hex>.lock     one flock per digest, so one download per image
     tmp/                        downloads in progress, same filesystem as images/
     tmp/sha256-<hex>.partial    a download in progress or interrupted: always a prefix
@@ -168,7 +169,9 @@ class ImageCache:
                     with self.lock(manifest.digest):
                         hit = path.exists()
                         blob = None if hit else self._fill(client, host, pinned, progress, manifest)
-                self._touch(pinned, pinned.digest or "", job=job, blob=blob)
+                self._touch(
+                    pinned, pinned.digest or "", job=job, blob=blob, source=None if hit else host
+                )
             except RegistryUnreachable as e:
                 last = e  # this one is down: the next mirror serves
                 continue
@@ -315,9 +318,16 @@ class ImageCache:
             os.fsync(out.fileno())
 
     def _touch(
-        self, ref: Reference, digest: str, *, job: str | None = None, blob: str | None = None
+        self,
+        ref: Reference,
+        digest: str,
+        *,
+        job: str | None = None,
+        blob: str | None = None,
+        source: str | None = None,
     ) -> None:
-        """Record a use: the ref, last_used, and the job now holding the entry."""
+        """Record a use: the ref, last_used, the job now holding the entry, and for a
+        download the registry or mirror that served it."""
         name = f"{ref.name}:{ref.tag}" if ref.tag else ref.name
 
         def change(meta: dict[str, Any]) -> None:
@@ -327,6 +337,8 @@ class ImageCache:
             meta["size"] = self.path_of(digest).stat().st_size
             if blob:
                 meta["blob"] = blob
+            if source:
+                meta["source"] = source
             if job and job not in meta["holders"]:
                 meta["holders"].append(job)
 

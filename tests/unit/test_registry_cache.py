@@ -146,6 +146,8 @@ def test_first_registry_down_the_mirror_serves(
     got = ImageCache(cfg).ensure(cfg.reference("mirrored:1"))
     assert (got.source, got.ref.digest, got.ref.registry) == (registry.host, digest, "127.0.0.1:1")
     assert got.path.read_bytes() == sif.read_bytes()
+    # The entry's record says which one served it (`tfimage cache ls --json`).
+    assert ImageCache(cfg).read_meta(digest)["source"] == registry.host
 
 
 def test_writeback_hint_is_best_effort(tmp_path: Path) -> None:
