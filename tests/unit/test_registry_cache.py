@@ -160,3 +160,31 @@ def test_writeback_hint_is_best_effort(tmp_path: Path) -> None:
         _start_writeback(f.fileno(), 0, 1 << 20)  # queued, returns at once
     _start_writeback(987654, 0, 1)  # a bad descriptor: ignored, the fsync decides
     assert p.stat().st_size == 1 << 20
+
+
+def test_appender_falls_back_when_o_direct_refuses_a_write(tmp_path: Path) -> None:
+    """O_DIRECT opened, then a write refused (EINVAL: here a buffer not aligned in
+    memory, as after a short write): that write goes through the page cache, and
+    the file still holds exactly the bytes given, in place."""
+    import mmap
+    import os
+
+    from tfimage.agent.stripes import ALIGN, _Appender
+
+    if os.statvfs(tmp_path).f_bsize > ALIGN:
+        pytest.skip(f"{tmp_path}: block size above {ALIGN}: alignment rules differ")
+    path = tmp_path / "partial"
+    path.touch()
+    data = os.urandom(3 * ALIGN)
+    buf = mmap.mmap(-1, 4 * ALIGN)
+    buf[1 : 1 + len(data)] = data
+    view = memoryview(buf)
+    with _Appender(path) as out:
+        if out.direct is None:
+            pytest.skip(f"{tmp_path}: this filesystem refuses O_DIRECT at open")
+        out.write(view[1 : 1 + ALIGN], 0)  # aligned length and offset, unaligned memory
+        assert out.flushed == 0  # it went through the page cache
+        buf[0:ALIGN] = data[ALIGN : 2 * ALIGN]
+        out.write(view[0:ALIGN], ALIGN)  # aligned in every way: O_DIRECT again
+        out.write(view[1 + 2 * ALIGN : 1 + 3 * ALIGN], 2 * ALIGN)
+    assert path.read_bytes() == data
