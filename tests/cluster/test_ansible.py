@@ -58,6 +58,19 @@ def test_a_bad_variable_stops_the_play_with_the_spec_message() -> None:
     assert "tfimage_runtime" in r.stdout and "charliecloud" in r.stdout
 
 
+def test_a_value_the_config_refuses_stops_the_play_and_changes_nothing(cluster: Cluster) -> None:
+    """A value of the right type that tfimage refuses (the argument spec cannot say
+    1-16): the config template's validation stops the play with tfimage's own
+    one-line message, and the node keeps the config it had."""
+    config = cluster.state / "etc" / "tfimage" / "config.yaml"
+    before = config.read_bytes()
+    assert b"pull_connections: 1\n" in before  # the role's default, rendered
+    r, counts, _ = _apply("-e", '{"tfimage_pull_connections": 0}')
+    assert r.returncode != 0 and counts.get("failed") == 1, r.stdout[-3000:]
+    assert "'pull_connections' must be an integer from 1 to 16" in r.stdout
+    assert config.read_bytes() == before
+
+
 def test_site_prolog_epilog_and_plugin_survive(cluster: Cluster, workdir: Path) -> None:
     etc = cluster.state / "etc"
     conf = (etc / "slurm.conf").read_text()
