@@ -2,11 +2,14 @@
 
 - ``make_sif`` builds a real SIF (mksquashfs + siftool) from a directory tree.
 - ``registry`` starts a real CNCF distribution registry (Debian's docker-registry)
-  on 127.0.0.1 with a CA made here, TLS and bcrypt htpasswd auth.
+  on 127.0.0.1 with a CA made here, TLS and bcrypt htpasswd auth;
+- ``token_registry`` another, behind Harbor-style token auth: ``token_service``
+  (tokenauth.py) issues the JWTs, which the registry itself verifies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import time
@@ -17,6 +20,7 @@ import pytest
 import requests
 
 from support import Registry, build_sif, need
+from tokenauth import ISSUER, SERVICE, TokenService, signing_cert
 
 
 @pytest.fixture
@@ -104,22 +108,17 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-@pytest.fixture(scope="session")
-def registry(tmp_path_factory: pytest.TempPathFactory, tls: Path) -> Iterator[Registry]:
-    need("docker-registry", "htpasswd")
-    d = tmp_path_factory.mktemp("registry")
-    run = lambda *a: subprocess.run(list(a), check=True, capture_output=True, timeout=60)  # noqa: E731
-    user, password = "robot$library+test", "s3cret-pass"
-    htp = run("htpasswd", "-Bbn", user, password).stdout.decode()
-    (d / "htpasswd").write_text(htp)
-    port = _free_port()
-    host = f"127.0.0.1:{port}"
+@contextlib.contextmanager
+def _serve_registry(d: Path, tls: Path, auth: str) -> Iterator[str]:
+    """A docker-registry on a free 127.0.0.1 port with ``auth`` (a YAML mapping),
+    storing under ``d``; yields its host:port once it answers 401."""
+    host = f"127.0.0.1:{_free_port()}"
     (d / "config.yml").write_text(
         "version: 0.1\nlog: {level: error}\n"
         f"storage: {{filesystem: {{rootdirectory: {d / 'data'}}}, delete: {{enabled: true}}}}\n"
         f"http: {{addr: '{host}', "
         f"tls: {{certificate: {tls / 'srv.crt'}, key: {tls / 'srv.key'}}}}}\n"
-        f"auth: {{htpasswd: {{realm: test, path: {d / 'htpasswd'}}}}}\n"
+        f"auth: {auth}\n"
     )
     proc = subprocess.Popen(
         ["docker-registry", "serve", str(d / "config.yml")],
@@ -140,10 +139,55 @@ def registry(tmp_path_factory: pytest.TempPathFactory, tls: Path) -> Iterator[Re
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"registry did not start: {(d / 'log').read_text()[-500:]}")
             time.sleep(0.1)
-        yield Registry(host, tls / "ca.crt", user, password)
+        yield host
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+ROBOT = ("robot$library+test", "s3cret-pass")  # a Harbor project robot account's name
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory: pytest.TempPathFactory, tls: Path) -> Iterator[Registry]:
+    need("docker-registry", "htpasswd")
+    d = tmp_path_factory.mktemp("registry")
+    user, password = ROBOT
+    htp = subprocess.run(
+        ["htpasswd", "-Bbn", user, password], check=True, capture_output=True, timeout=60
+    ).stdout.decode()
+    (d / "htpasswd").write_text(htp)
+    auth = f"{{htpasswd: {{realm: test, path: {d / 'htpasswd'}}}}}"
+    with _serve_registry(d, tls, auth) as host:
+        yield Registry(host, tls / "ca.crt", user, password)
+
+
+@pytest.fixture(scope="session")
+def token_service(tmp_path_factory: pytest.TempPathFactory, tls: Path) -> Iterator[TokenService]:
+    need("openssl")
+    d = tmp_path_factory.mktemp("token")
+    key, crt = signing_cert(d)
+    service = TokenService(tls, key, crt, *ROBOT, project="library")
+    try:
+        yield service
+    finally:
+        service.close()
+
+
+@pytest.fixture(scope="session")
+def token_registry(
+    tmp_path_factory: pytest.TempPathFactory, tls: Path, token_service: TokenService
+) -> Iterator[Registry]:
+    """A registry behind Harbor-style token auth: the registry checks real JWTs."""
+    need("docker-registry")
+    d = tmp_path_factory.mktemp("token-registry")
+    crt = Path(token_service.key).with_suffix(".crt")
+    auth = (
+        f"{{token: {{realm: '{token_service.realm}', service: {SERVICE}, "
+        f"issuer: {ISSUER}, rootcertbundle: {crt}}}}}"
+    )
+    with _serve_registry(d, tls, auth) as host:
+        yield Registry(host, tls / "ca.crt", *ROBOT)
