@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import stat
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tfimage.agent.coalesce import resolve_tag
 from tfimage.agent.config import Config
 from tfimage.agent.errors import (
     CacheError,
@@ -162,13 +164,26 @@ class ImageCache:
                         )
                     pinned = ref
                 else:
-                    client = self._client_factory(host)
-                    manifest = client.manifest(ref.repository, ref.version)
-                    pinned = ref.pinned(manifest.digest)
-                    path = self.path_of(manifest.digest)
-                    with self.lock(manifest.digest):
+                    # By tag: requests for the same tag at once ask the registry once
+                    # (coalesce.py), then wait on the digest's lock as pinned ones do.
+                    asked: list[tuple[RegistryClient, Manifest]] = []
+                    digest = resolve_tag(
+                        self.root / "locks",
+                        f"{host}/{ref.repository}:{ref.version}",
+                        started,
+                        functools.partial(self._ask, host, ref, asked),
+                    )
+                    pinned = ref.pinned(digest)
+                    path = self.path_of(digest)
+                    with self.lock(digest):
                         hit = path.exists()
-                        blob = None if hit else self._fill(client, host, pinned, progress, manifest)
+                        if hit:
+                            blob = None
+                        elif asked:
+                            client, manifest = asked[0]
+                            blob = self._fill(client, host, pinned, progress, manifest)
+                        else:  # another asked for the tag: the manifest by its digest
+                            blob = self._fill(self._client_factory(host), host, pinned, progress)
                 self._touch(
                     pinned, pinned.digest or "", job=job, blob=blob, source=None if hit else host
                 )
@@ -185,6 +200,14 @@ class ImageCache:
             )
         assert last is not None
         raise last
+
+    def _ask(self, host: str, ref: Reference, into: list[tuple[RegistryClient, Manifest]]) -> str:
+        """The tag's digest from ``host``; the client and manifest go ``into`` the list,
+        for the download that follows."""
+        client = self._client_factory(host)
+        manifest = client.manifest(ref.repository, ref.version)
+        into.append((client, manifest))
+        return manifest.digest
 
     def _fill(
         self,
