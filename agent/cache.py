@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tfimage.agent.coalesce import resolve_tag
 from tfimage.agent.config import Config
 from tfimage.agent.errors import (
     CacheError,
@@ -166,6 +165,8 @@ class ImageCache:
                 else:
                     # By tag: requests for the same tag at once ask the registry once
                     # (coalesce.py), then wait on the digest's lock as pinned ones do.
+                    from tfimage.agent.coalesce import resolve_tag  # hashlib: not on a hit
+
                     asked: list[tuple[RegistryClient, Manifest]] = []
                     digest = resolve_tag(
                         self.root / "locks",

@@ -528,7 +528,8 @@ def test_a_pinned_ensure_that_waited_for_the_download_never_loads_the_registry_c
         "import json, sys; from tfimage.agent.config import load_config; "
         "from tfimage.agent.cache import ImageCache; c = load_config(sys.argv[1]); "
         "g = ImageCache(c).ensure(c.reference(sys.argv[2])); "
-        "print(json.dumps([g.hit, 'tfimage.agent.registry' in sys.modules]))"
+        "print(json.dumps([g.hit, 'tfimage.agent.registry' in sys.modules, "
+        "'hashlib' in sys.modules]))"
     )
     with cache.lock(digest):  # the download in progress, as another pull holds it
         waiter = subprocess.Popen(
@@ -541,5 +542,6 @@ def test_a_pinned_ensure_that_waited_for_the_download_never_loads_the_registry_c
         done.write_bytes(blob)
         done.rename(cache.path_of(digest))  # the download finished
     out, _ = waiter.communicate(timeout=30)
-    assert json.loads(out) == [True, False]  # a hit, and no registry client loaded
+    # A hit, and neither the registry client nor hashlib (OpenSSL's start) loaded.
+    assert json.loads(out) == [True, False, False]
     assert server.b.manifest_requests == 0
