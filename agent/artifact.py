@@ -1,4 +1,5 @@
-"""What a SIF artifact's manifest must look like (Apptainer's ORAS shape), strictly."""
+"""What a SIF artifact's manifest must look like (Apptainer's ORAS shape, or the one
+Singularity < 3.7 pushed with a misspelt layer type), strictly."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import re
 from dataclasses import dataclass
 
 from tfimage.agent.errors import VerificationError
-from tfimage.agent.registry import OCI_MANIFEST, SIF_CONFIG, SIF_LAYER, Manifest
+from tfimage.agent.registry import OCI_MANIFEST, SIF_CONFIG, SIF_LAYER, SIF_LAYER_PROTO, Manifest
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}\Z")
 MAX_SIF = 1 << 40
@@ -31,7 +32,7 @@ def sif_layer(m: Manifest) -> SifLayer:
         n = len(layers) if isinstance(layers, list) else 0
         raise VerificationError(f"a SIF artifact has exactly one layer, this one has {n}")
     layer = layers[0]
-    if not isinstance(layer, dict) or layer.get("mediaType") != SIF_LAYER:
+    if not isinstance(layer, dict) or layer.get("mediaType") not in (SIF_LAYER, SIF_LAYER_PROTO):
         raise VerificationError("the layer is not a SIF file")
     digest, size = layer.get("digest"), layer.get("size")
     if not isinstance(digest, str) or not _DIGEST.match(digest):

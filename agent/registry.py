@@ -35,6 +35,9 @@ MANIFEST_ACCEPT = ", ".join((OCI_MANIFEST, OCI_INDEX, DOCKER_MANIFEST, DOCKER_LI
 
 SIF_CONFIG = "application/vnd.sylabs.sif.config.v1+json"
 SIF_LAYER = "application/vnd.sylabs.sif.layer.v1.sif"
+# What Singularity < 3.7 pushed (typo and all; hpcng/singularity#4437).  Apptainer
+# still pulls it, so do we; we push only SIF_LAYER.
+SIF_LAYER_PROTO = "appliciation/vnd.sylabs.sif.layer.tar"
 
 MAX_MANIFEST = 4 << 20
 CHUNK = 1 << 20

@@ -188,3 +188,36 @@ def test_appender_falls_back_when_o_direct_refuses_a_write(tmp_path: Path) -> No
         out.write(view[0:ALIGN], ALIGN)  # aligned in every way: O_DIRECT again
         out.write(view[1 + 2 * ALIGN : 1 + 3 * ALIGN], 2 * ALIGN)
     assert path.read_bytes() == data
+
+
+def test_a_sif_pushed_by_old_singularity_is_pulled_and_a_near_miss_refused(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    """Singularity < 3.7 pushed its SIF layer as ``appliciation/vnd.sylabs.sif.layer.tar``
+    (sic): Apptainer still pulls those, and so does the cache.  A type merely like it
+    is not a SIF layer."""
+    import json
+
+    from tfimage.agent.errors import VerificationError
+    from tfimage.agent.registry import OCI_MANIFEST, SIF_CONFIG
+
+    up = client(registry)
+    sif = make_sif({"etc/tfimage-test-image": "old singularity\n"})
+    layer, size = up.push_blob("library/oldsing", sif)
+    config = up.push_bytes("library/oldsing", b"{}")
+    cfg = load_config(registry.write_site(tmp_path))
+    for tag, media_type in (
+        ("1", "appliciation/vnd.sylabs.sif.layer.tar"),
+        ("2", "application/vnd.sylabs.sif.layer.tar"),
+    ):
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST,
+            "config": {"mediaType": SIF_CONFIG, "digest": config, "size": 2},
+            "layers": [{"mediaType": media_type, "digest": layer, "size": size}],
+        }
+        up.push_manifest("library/oldsing", tag, json.dumps(manifest).encode(), OCI_MANIFEST)
+    got = ImageCache(cfg).ensure(cfg.reference("oldsing:1"))
+    assert got.path.read_bytes() == sif.read_bytes()
+    with pytest.raises(VerificationError, match="the layer is not a SIF file"):
+        ImageCache(cfg).ensure(cfg.reference("oldsing:2"))
