@@ -69,7 +69,7 @@ def queued(
     with tag_held(cfg, name):
         t = threading.Thread(target=lambda: out.update(r=at_once(call, n)))
         t.start()
-        time.sleep(1.0)  # every call has begun and waits on the lock
+        time.sleep(2.0)  # every call has begun and waits on the lock
     t.join(120)
     return out["r"]  # type: ignore[no-any-return]
 
