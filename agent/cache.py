@@ -18,7 +18,6 @@ then renamed into ``images/``: a reader sees a whole verified image or nothing.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import json
 import os
@@ -37,6 +36,7 @@ from tfimage.agent.errors import (
     RegistryUnreachable,
     VerificationError,
 )
+from tfimage.agent.locks import held
 from tfimage.agent.reference import Reference
 from tfimage.agent.sif import has_magic
 
@@ -119,17 +119,11 @@ class ImageCache:
         return self.root / "images" / f"{_key(digest)}.sif"
 
     @contextlib.contextmanager
-    def lock(self, digest: str) -> Iterator[None]:
-        fd = os.open(
-            self.root / "locks" / f"{_key(digest)}.lock",
-            os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-            0o600,
-        )
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+    def lock(self, name: str) -> Iterator[None]:
+        """Hold ``locks/<name>.lock``: a digest's (one download per image, one metadata
+        change at a time) or another of the cache's (``pins``)."""
+        with held(self.root / "locks" / f"{_key(name)}.lock"):
             yield
-        finally:
-            os.close(fd)
 
     def ensure(
         self, ref: Reference, progress: Progress | None = None, job: str | None = None
@@ -392,15 +386,29 @@ class ImageCache:
         with self.lock(digest):
             meta = self.read_meta(digest)
             change(meta)
-            path = self.meta_path(digest)
-            tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
+            self.write_json(self.meta_path(digest), meta, what=digest[:19])
+
+    def write_json(self, path: Path, data: object, *, what: str, durable: bool = False) -> None:
+        """Replace ``path`` with ``data`` as JSON, atomically (``durable``: fsynced
+        first); the caller holds the lock that guards it."""
+        tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")
+        try:
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644
+            )
             try:
-                tmp.write_text(json.dumps(meta, sort_keys=True))
-                os.replace(tmp, path)
-            except OSError as e:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
-                raise CacheError(f"{self.root}: cannot record {digest[:19]}: {e}") from None
+                rest = memoryview(json.dumps(data, sort_keys=True).encode())
+                while rest:  # a short write (a full disk) is finished or raises
+                    rest = rest[os.write(fd, rest) :]
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise CacheError(f"{self.root}: cannot record {what}: {e}") from None
 
     def release(self, job: str) -> list[str]:
         """The epilog: ``job`` no longer holds any entry.  Returns the digests it held."""

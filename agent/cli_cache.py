@@ -44,27 +44,10 @@ def _pins(cache: ImageCache) -> list[str]:
 def _change_pins(cache: ImageCache, change: Callable[[list[str]], list[str]]) -> None:
     """Read, change and replace the pins list under its lock: two operators (or an
     operator and the warm timer) at once lose neither's pin."""
-    import fcntl
-    import os
-
     cache.make_dirs()
-    path = _pins_file(cache)
-    fd = os.open(cache.root / "locks" / "pins.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        data = json.dumps(sorted(set(change(_pins(cache))))).encode()
-        tmp = path.with_suffix(".tmp")
-        out = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644
-        )
-        try:
-            os.write(out, data)
-            os.fsync(out)
-        finally:
-            os.close(out)
-        os.replace(tmp, path)
-    finally:
-        os.close(fd)
+    with cache.lock("pins"):
+        pins = sorted(set(change(_pins(cache))))
+        cache.write_json(_pins_file(cache), pins, what="the pins", durable=True)
 
 
 def _digest_of(cache: ImageCache, cfg: Config, what: str) -> str:

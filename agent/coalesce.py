@@ -23,7 +23,6 @@ their content is the last answer (JSON).  Root only, like the rest of the cache.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -33,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tfimage.agent.errors import RegistryUnreachable
+from tfimage.agent.locks import held
 
 MAX_RECORD = 4096
 
@@ -58,11 +58,7 @@ def resolve_tag(locks: Path, name: str, started: float, resolve: Callable[[], st
     or, when another request asked the registry after ``started`` (``time.monotonic()``
     at this request's start), from its answer.  Raises ``resolve``'s errors, and
     RegistryUnreachable when the shared answer is that the registry is down."""
-    fd = os.open(
-        lock_path(locks, name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
-    )
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with held(lock_path(locks, name)) as fd:
         shared = _read(fd, name, started)
         if shared is not None:
             if shared.get("unreachable"):
@@ -76,8 +72,6 @@ def resolve_tag(locks: Path, name: str, started: float, resolve: Callable[[], st
             raise
         _write(fd, {"name": name, "boot": _boot_id(), "asked": asked, "digest": digest})
         return digest
-    finally:
-        os.close(fd)
 
 
 def _read(fd: int, name: str, started: float) -> dict[str, object] | None:

@@ -184,10 +184,9 @@ def token_registry(
     """A registry behind Harbor-style token auth: the registry checks real JWTs."""
     need("docker-registry")
     d = tmp_path_factory.mktemp("token-registry")
-    crt = Path(token_service.key).with_suffix(".crt")
     auth = (
         f"{{token: {{realm: '{token_service.realm}', service: {SERVICE}, "
-        f"issuer: {ISSUER}, rootcertbundle: {crt}}}}}"
+        f"issuer: {ISSUER}, rootcertbundle: {token_service.crt}}}}}"
     )
     with _serve_registry(d, tls, auth) as host:
         yield Registry(host, tls / "ca.crt", *ROBOT)

@@ -58,7 +58,7 @@ class TokenService:
     def __init__(
         self, tls: Path, key: Path, crt: Path, username: str, password: str, project: str
     ) -> None:
-        self.key = key
+        self.key, self.crt = key, crt
         der = subprocess.run(
             ["openssl", "x509", "-in", str(crt), "-outform", "DER"],
             check=True,

@@ -3,8 +3,6 @@ registry; a request that starts after an answer never takes it."""
 
 from __future__ import annotations
 
-import fcntl
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -16,6 +14,7 @@ from support import Registry, at_once
 from tfimage.agent.cache import CachedImage, ImageCache, client_for
 from tfimage.agent.coalesce import lock_path
 from tfimage.agent.config import Config, load_config
+from tfimage.agent.locks import held
 from tfimage.agent.registry import RegistryClient
 from tfimage.agent.transport import Response, StdlibTransport
 
@@ -53,12 +52,8 @@ def tag_held(cfg: Config, name: str) -> Iterator[None]:
     """Hold the tag's lock, so every request started meanwhile queues on it."""
     locks = Path(cfg.cache_dir) / "locks"
     locks.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path(locks, name), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with held(lock_path(locks, name)):
         yield
-    finally:
-        os.close(fd)
 
 
 def queued(
