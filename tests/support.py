@@ -17,6 +17,7 @@ import pytest
 from tfimage.agent.credentials import Credential
 from tfimage.agent.registry import RegistryClient
 from tfimage.agent.sif import build_commands
+from tfimage.agent.transport import Transport
 
 T = TypeVar("T")
 
@@ -35,10 +36,16 @@ class Registry:
     username: str
     password: str
 
-    def client(self) -> RegistryClient:
-        """A client with the test account's credentials, trusting the test CA."""
+    def client(
+        self, *, password: str | None = None, transport: Transport | None = None
+    ) -> RegistryClient:
+        """A client with the test account's credentials (or ``password``), trusting the
+        test CA; the client's default transport unless one is given."""
         return RegistryClient(
-            self.host, Credential(self.username, self.password), ca_bundle=str(self.ca)
+            self.host,
+            Credential(self.username, password or self.password),
+            ca_bundle=str(self.ca),
+            transport=transport,
         )
 
     def write_site(self, d: Path, **extra: str) -> Path:

@@ -15,9 +15,7 @@ import pytest
 from support import Registry
 from tfimage.agent.cache import ImageCache
 from tfimage.agent.config import load_config
-from tfimage.agent.credentials import Credential
 from tfimage.agent.errors import RegistryError
-from tfimage.agent.registry import RegistryClient
 from tfimage.agent.transport import RequestsTransport, StdlibTransport, Transport
 from tokenauth import LEEWAY, TokenService
 
@@ -25,17 +23,6 @@ from tokenauth import LEEWAY, TokenService
 @pytest.fixture(params=[StdlibTransport, RequestsTransport], ids=["stdlib", "requests"])
 def transport(request: pytest.FixtureRequest) -> type[Transport]:
     return request.param  # type: ignore[no-any-return]
-
-
-def client(
-    reg: Registry, transport: type[Transport], password: str | None = None
-) -> RegistryClient:
-    return RegistryClient(
-        reg.host,
-        Credential(reg.username, password or reg.password),
-        ca_bundle=str(reg.ca),
-        transport=transport(),
-    )
 
 
 def asked(tokens: TokenService, since: int) -> list[str]:
@@ -52,7 +39,7 @@ def test_push_then_pull_through_the_cache(
     repo = f"library/tok-{transport.__name__.lower()}"
     sif = make_sif({"etc/tfimage-test-image": "behind tokens\n"})
     before = len(token_service.scopes)
-    digest = client(token_registry, transport).push_sif(repo, "1", sif)
+    digest = token_registry.client(transport=transport()).push_sif(repo, "1", sif)
     assert any(
         s.startswith(f"repository:{repo}:") and "push" in s for s in asked(token_service, before)
     )
@@ -75,10 +62,10 @@ def test_one_token_per_repository_reused_until_refused(
     make_sif: Callable[[dict[str, str]], Path],
     transport: type[Transport],
 ) -> None:
-    up = client(token_registry, RequestsTransport)
+    up = token_registry.client(transport=RequestsTransport())
     for name in ("tok-a", "tok-b"):
         up.push_sif(f"library/{name}", "1", make_sif({"f": name}))
-    c = client(token_registry, transport)
+    c = token_registry.client(transport=transport())
     before = len(token_service.scopes)
     for name in ("tok-a", "tok-b", "tok-a", "tok-b"):
         assert c.manifest(f"library/{name}", "1").body["layers"]
@@ -94,10 +81,10 @@ def test_an_expired_token_is_fetched_again(
     make_sif: Callable[[dict[str, str]], Path],
     transport: type[Transport],
 ) -> None:
-    client(token_registry, RequestsTransport).push_sif(
+    token_registry.client(transport=RequestsTransport()).push_sif(
         "library/tok-exp", "1", make_sif({"f": "exp"})
     )
-    c = client(token_registry, transport)
+    c = token_registry.client(transport=transport())
     before = len(token_service.scopes)
     token_service.short_lived = 1  # the next token expires (leeway included) in 5 s
     assert c.manifest("library/tok-exp", "1")
@@ -114,7 +101,9 @@ def test_wrong_password_fails_fast_at_the_token_service(
     refused = token_service.refused
     t = time.monotonic()
     with pytest.raises(RegistryError, match=r"token service refused \(401\)"):
-        client(token_registry, transport, password="wrong").manifest("library/tok-a", "1")
+        token_registry.client(password="wrong", transport=transport()).manifest(
+            "library/tok-a", "1"
+        )
     assert time.monotonic() - t < 2.0
     assert token_service.refused == refused + 1
 
@@ -125,4 +114,4 @@ def test_a_project_robot_gets_nothing_elsewhere(
     """A robot of project ``library`` asking for another project's image: the token
     grants nothing, the registry refuses it, and the error says so in one line."""
     with pytest.raises(RegistryError, match="authentication refused for repository:other/x:pull"):
-        client(token_registry, transport).manifest("other/x", "1")
+        token_registry.client(transport=transport()).manifest("other/x", "1")
