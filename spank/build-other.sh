@@ -7,6 +7,8 @@
 # through a private sources list and unpacked with dpkg -x (nothing is installed).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=deploy/local/err-trap.sh
+. "$HERE/../deploy/local/err-trap.sh" build-other
 # shellcheck source=deploy/local/other-release.sh
 . "$HERE/../deploy/local/other-release.sh"
 DIR=$CACHE/slurm-headers-$OTHER

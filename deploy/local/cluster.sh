@@ -17,6 +17,8 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
+# shellcheck source=deploy/local/err-trap.sh
+. "$REPO/deploy/local/err-trap.sh" cluster
 STATE=${TFIMAGE_LOCAL_STATE:-/var/lib/tfimage-local}
 ETC=$STATE/etc
 RUN=$STATE/run

@@ -4,6 +4,8 @@
 # then submits an ordinary sbatch script as the unprivileged test user.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
+# shellcheck source=deploy/local/err-trap.sh
+. "$REPO/deploy/local/err-trap.sh" demo
 [ "$(id -u)" = 0 ] || { echo "demo: run as root" >&2; exit 1; }
 
 bash "$REPO/deploy/local/cluster.sh" up

@@ -10,6 +10,8 @@
 #   other-slurm.sh wheels    stage tfimage's dependency wheels for the role
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
+# shellcheck source=deploy/local/err-trap.sh
+. "$REPO/deploy/local/err-trap.sh" other-slurm
 # shellcheck source=deploy/local/other-release.sh
 . "$REPO/deploy/local/other-release.sh"
 # The node side of tfimage: Slurm and the runtime (debootstrap), then the OCI-to-SIF

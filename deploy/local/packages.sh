@@ -2,6 +2,8 @@
 # Install the Debian packages the local cluster, the images and the tests need.
 # Idempotent: only missing packages are installed.
 set -euo pipefail
+# shellcheck source=deploy/local/err-trap.sh
+. "$(dirname "$0")/err-trap.sh" packages
 PKGS=(
     munge slurmd slurmctld slurm-client libslurm-dev gcc make libc6-dev
     docker-registry apache2-utils openssl curl ca-certificates

@@ -12,6 +12,8 @@
 # Debian 13 (or 12) packages are that release's.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
+# shellcheck source=deploy/local/err-trap.sh
+. "$REPO/deploy/local/err-trap.sh" role
 STATE=${TFIMAGE_LOCAL_STATE:-/var/lib/tfimage-local}
 CONF=$STATE/etc/ansible
 VENV=$REPO/build/ansible

@@ -8,6 +8,8 @@ set -euo pipefail
 OUT=${1:?usage: build.sh OUTDIR}
 CACHE=${TFIMAGE_BUILD_CACHE:-/var/cache/tfimage-build}
 HERE=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=deploy/local/err-trap.sh
+. "$HERE/../err-trap.sh" images
 TF_PINS="tensorflow-cpu==2.21.0 tf_keras==2.21.0"
 CODENAME=$(. /etc/os-release && echo "$VERSION_CODENAME")
 MIRROR=${TFIMAGE_DEBIAN_MIRROR:-http://deb.debian.org/debian}
