@@ -94,10 +94,13 @@ build_tf() {
         # host for the chroot's Python, install there with --no-index.
         local wheels="$CACHE/wheels-py$pyver"
         mkdir -p "$wheels"
-        # shellcheck disable=SC2086
+        # The root's glibc minor version bounds the manylinux tags pip may take.  Not
+        # `ldd --version | head -1`: ldd then dies of SIGPIPE, which pipefail makes fatal.
         local glibc plats=()
-        glibc=$(chroot "$r" ldd --version | head -1 | grep -o '[0-9]*$')
+        glibc=$(chroot "$r" getconf GNU_LIBC_VERSION)   # "glibc 2.36"
+        glibc=${glibc##*.}
         for n in $(seq 17 "$glibc"); do plats+=(--platform "manylinux_2_${n}_x86_64"); done
+        # shellcheck disable=SC2086
         PIP_CONSTRAINT= python3 -m pip download -q --only-binary=:all: --python-version "$pyver" \
             --implementation cp "${plats[@]}" --platform manylinux2014_x86_64 \
             --platform linux_x86_64 --platform any -d "$wheels" $TF_PINS
