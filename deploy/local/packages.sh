@@ -9,7 +9,7 @@ PKGS=(
     docker-registry apache2-utils openssl curl ca-certificates
     charliecloud squashfuse fuse3 squashfs-tools siftool skopeo umoci
     debootstrap busybox-static iproute2 util-linux procps psmisc
-    python3 python3-venv python3-dev
+    python3 python3-venv python3-dev python3-pip
 )
 missing=()
 for p in "${PKGS[@]}"; do
