@@ -21,7 +21,10 @@ if [ ! -f "$DIR/usr/include/slurm/spank.h" ]; then
           -o "Dir::State::Lists=$APT/lists" -o "Dir::Cache::Archives=$APT/archives"
           -o "APT::Get::List-Cleanup=0" -o "APT::Sandbox::User=root")
     apt-get "${opts[@]}" update -qq
-    (cd "$APT" && apt-get "${opts[@]}" download libslurm-dev >/dev/null)
+    # By release, not by name: apt's candidate is the installed version when it is the
+    # newer one (a Debian 13 host asking bookworm's list), and that list cannot serve it.
+    rm -f "$APT"/libslurm-dev_*.deb
+    (cd "$APT" && apt-get "${opts[@]}" download "libslurm-dev/$OTHER" >/dev/null)
     dpkg -x "$APT"/libslurm-dev_*.deb "$DIR"
 fi
 hex=$(awk '/define SLURM_VERSION_NUMBER/ {print $3}' "$DIR/usr/include/slurm/slurm_version.h")
