@@ -14,10 +14,13 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 . "$REPO/deploy/local/err-trap.sh" other-slurm
 # shellcheck source=deploy/local/other-release.sh
 . "$REPO/deploy/local/other-release.sh"
-# The node side of tfimage: Slurm and the runtime (debootstrap), then the OCI-to-SIF
-# converters (apt, which resolves their virtual dependencies; debootstrap does not).
-PKGS="slurmd,slurmctld,slurm-client,munge,libslurm-dev,gcc,libc6-dev,make,python3,python3-venv,charliecloud,squashfuse,fuse3,iproute2,procps,util-linux,ca-certificates"
-MORE="skopeo umoci squashfs-tools siftool"
+# The node side of tfimage: Slurm (debootstrap), then the runtime and the OCI-to-SIF
+# converters with apt, which resolves virtual dependencies and debootstrap does not
+# (bookworm's charliecloud -> charliecloud-builders -> buildah -> ... -> the virtual
+# container-network-stack stops a debootstrap of bookworm).  `charliecloud` itself,
+# not only its runtime: it is what the role installs on a compute node.
+PKGS="slurmd,slurmctld,slurm-client,munge,libslurm-dev,gcc,libc6-dev,make,python3,python3-venv,squashfuse,fuse3,iproute2,procps,util-linux,ca-certificates"
+MORE="charliecloud skopeo umoci squashfs-tools siftool"
 KEY=$(printf '%s\n' 1 "$OTHER" "$PKGS" "$MORE" | sha256sum | cut -c1-12)
 ROOT=$CACHE/chroot-$OTHER-$KEY
 
