@@ -10,6 +10,7 @@ PKGS=(
     charliecloud squashfuse fuse3 squashfs-tools siftool skopeo umoci
     debootstrap busybox-static iproute2 util-linux procps psmisc
     python3 python3-venv python3-dev python3-pip
+    e2fsprogs  # mkfs.ext4: where /tmp is a tmpfs, a test makes an ext4 that refuses O_DIRECT
 )
 missing=()
 for p in "${PKGS[@]}"; do

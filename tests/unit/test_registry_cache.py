@@ -162,32 +162,92 @@ def test_writeback_hint_is_best_effort(tmp_path: Path) -> None:
     assert p.stat().st_size == 1 << 20
 
 
-def test_appender_falls_back_when_o_direct_refuses_a_write(tmp_path: Path) -> None:
-    """O_DIRECT opened, then a write refused (EINVAL: here a buffer not aligned in
-    memory, as after a short write): that write goes through the page cache, and
-    the file still holds exactly the bytes given, in place."""
+def _refuses_unaligned_o_direct(d: Path) -> bool | None:
+    """Whether d's filesystem refuses an O_DIRECT write from memory not aligned to a
+    block (EINVAL), as the fallback below needs; None when it refuses O_DIRECT at
+    open.  tmpfs takes such writes since Linux 6.6 (and /tmp is a tmpfs on Debian
+    13); ext4, xfs and btrfs on a block device refuse them."""
+    import errno
     import mmap
     import os
 
+    from tfimage.agent.stripes import ALIGN
+
+    probe = d / "o_direct-probe"
+    probe.touch()
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return None
+    try:
+        os.pwrite(fd, memoryview(mmap.mmap(-1, 2 * ALIGN))[1 : 1 + ALIGN], 0)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return True
+    finally:
+        os.close(fd)
+        probe.unlink()
+    return False
+
+
+def test_appender_falls_back_when_o_direct_refuses_a_write(tmp_path: Path) -> None:
+    """O_DIRECT opened, then a write refused (EINVAL: here a buffer not aligned in
+    memory, as after a short write): that write goes through the page cache, and
+    the file still holds exactly the bytes given, in place.
+
+    The refusal must be real: where tmp_path's filesystem does not refuse (tmpfs),
+    the file goes on a small ext4 of the test's own, on a loop device."""
+    import mmap
+    import os
+    import shutil
+    import subprocess
+
     from tfimage.agent.stripes import ALIGN, _Appender
 
-    if os.statvfs(tmp_path).f_bsize > ALIGN:
-        pytest.skip(f"{tmp_path}: block size above {ALIGN}: alignment rules differ")
-    path = tmp_path / "partial"
-    path.touch()
-    data = os.urandom(3 * ALIGN)
-    buf = mmap.mmap(-1, 4 * ALIGN)
-    buf[1 : 1 + len(data)] = data
-    view = memoryview(buf)
-    with _Appender(path) as out:
-        if out.direct is None:
-            pytest.skip(f"{tmp_path}: this filesystem refuses O_DIRECT at open")
-        out.write(view[1 : 1 + ALIGN], 0)  # aligned length and offset, unaligned memory
-        assert out.flushed == 0  # it went through the page cache
-        buf[0:ALIGN] = data[ALIGN : 2 * ALIGN]
-        out.write(view[0:ALIGN], ALIGN)  # aligned in every way: O_DIRECT again
-        out.write(view[1 + 2 * ALIGN : 1 + 3 * ALIGN], 2 * ALIGN)
-    assert path.read_bytes() == data
+    where = tmp_path
+    own_fs: Path | None = None
+    if os.statvfs(tmp_path).f_bsize > ALIGN or not _refuses_unaligned_o_direct(tmp_path):
+        fstype = subprocess.run(
+            ["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True
+        ).stdout.strip()
+        why = f"{tmp_path} ({fstype}) does not refuse an unaligned O_DIRECT write"
+        if os.geteuid() != 0:
+            pytest.skip(f"{why}, and mounting an ext4 that does needs root")
+        if shutil.which("mkfs.ext4") is None:
+            pytest.skip(f"{why}, and making an ext4 that does needs mkfs.ext4 (e2fsprogs)")
+        image = tmp_path / "ext4.img"
+        with image.open("wb") as f:
+            f.truncate(32 << 20)
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-b", str(ALIGN), str(image)], check=True)
+        where = tmp_path / "ext4"
+        where.mkdir()
+        mount = ["mount", "-o", "loop,nosuid,nodev", str(image), str(where)]
+        done = subprocess.run(mount, capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"{why}, and mounting an ext4 that does failed: {done.stderr.strip()}")
+        own_fs = where
+    try:
+        assert _refuses_unaligned_o_direct(where), f"{where}: the unaligned write was taken"
+        path = where / "partial"
+        path.touch()
+        data = os.urandom(3 * ALIGN)
+        buf = mmap.mmap(-1, 4 * ALIGN)
+        buf[1 : 1 + len(data)] = data
+        view = memoryview(buf)
+        with _Appender(path) as out:
+            assert out.direct is not None  # the probe above opened it with O_DIRECT
+            out.write(view[1 : 1 + ALIGN], 0)  # aligned length and offset, unaligned memory
+            assert out.flushed == 0  # it went through the page cache
+            buf[0:ALIGN] = data[ALIGN : 2 * ALIGN]
+            out.write(view[0:ALIGN], ALIGN)  # aligned in every way: O_DIRECT again
+            out.write(view[1 + 2 * ALIGN : 1 + 3 * ALIGN], 2 * ALIGN)
+        assert path.read_bytes() == data
+    finally:
+        if own_fs is not None:  # the loop device goes with it (autoclear)
+            subprocess.run(["umount", str(own_fs)], check=True)
 
 
 def test_a_sif_pushed_by_old_singularity_is_pulled_and_a_near_miss_refused(
