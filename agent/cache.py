@@ -36,7 +36,7 @@ from tfimage.agent.errors import (
     RegistryUnreachable,
     VerificationError,
 )
-from tfimage.agent.locks import held
+from tfimage.agent.fsutil import held, write_json
 from tfimage.agent.reference import Reference
 from tfimage.agent.sif import has_magic
 
@@ -389,25 +389,11 @@ class ImageCache:
             self.write_json(self.meta_path(digest), meta, what=digest[:19])
 
     def write_json(self, path: Path, data: object, *, what: str, durable: bool = False) -> None:
-        """Replace ``path`` with ``data`` as JSON, atomically (``durable``: fsynced
-        first); the caller holds the lock that guards it."""
-        tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")
+        """Replace ``path`` with ``data`` as JSON, atomically (fsutil.py); the caller
+        holds the lock that guards it."""
         try:
-            fd = os.open(
-                tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644
-            )
-            try:
-                rest = memoryview(json.dumps(data, sort_keys=True).encode())
-                while rest:  # a short write (a full disk) is finished or raises
-                    rest = rest[os.write(fd, rest) :]
-                if durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+            write_json(path, data, durable=durable)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             raise CacheError(f"{self.root}: cannot record {what}: {e}") from None
 
     def release(self, job: str) -> list[str]:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tfimage.agent.errors import RegistryUnreachable
-from tfimage.agent.locks import held
+from tfimage.agent.fsutil import held
 
 MAX_RECORD = 4096
 

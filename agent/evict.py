@@ -10,7 +10,6 @@ so is an interrupted download nobody resumed within the minimum age.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 from tfimage.agent.cache import CHUNK, ImageCache
 from tfimage.agent.errors import CacheError
+from tfimage.agent.fsutil import held
 from tfimage.agent.sif import has_magic
 
 
@@ -123,20 +123,32 @@ def stale_partials(
         try:
             if now - partial.stat().st_mtime < cache.cfg.cache_min_age:
                 continue
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            with held(lock, blocking=False):
+                if not dry_run:
+                    with contextlib.suppress(FileNotFoundError):
+                        partial.unlink()
+                gone.append(partial)
+        except BlockingIOError:
+            continue  # a pull is resuming it right now
         except OSError:
             continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a pull is resuming it right now
+    return gone
+
+
+def orphans(cache: ImageCache, *, dry_run: bool = False) -> list[Path]:
+    """Images without metadata and metadata without images (cache.py's publish
+    leaves neither, but a crash between its two steps, or an older tfimage, may);
+    removed under their digest's lock, unless ``dry_run``."""
+    gone = []
+    for path in cache.orphans():
+        digest = path.stem.replace("-", ":", 1)
+        with cache.lock(digest):
+            other = path.with_suffix(".json" if path.suffix == ".sif" else ".sif")
+            if other.exists() or not path.exists():
+                continue  # published (or removed) since we looked
             if not dry_run:
-                with contextlib.suppress(FileNotFoundError):
-                    partial.unlink()
-            gone.append(partial)
-        finally:
-            os.close(fd)
+                path.unlink()
+            gone.append(path)
     return gone
 
 

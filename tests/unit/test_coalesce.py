@@ -14,7 +14,7 @@ from support import Registry, at_once
 from tfimage.agent.cache import CachedImage, ImageCache, client_for
 from tfimage.agent.coalesce import lock_path
 from tfimage.agent.config import Config, load_config
-from tfimage.agent.locks import held
+from tfimage.agent.fsutil import held
 from tfimage.agent.registry import RegistryClient
 from tfimage.agent.transport import Response, StdlibTransport
 

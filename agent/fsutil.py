@@ -1,0 +1,58 @@
+"""The two file primitives every writer of tfimage's state uses.
+
+- :func:`held`: a lock file (created 0600, never through a link) held with flock
+  until the block ends;
+- :func:`write_json`: replace a file with JSON atomically (a temporary file in the
+  same directory, renamed over it), fsynced first when asked; a reader sees the old
+  content or the new, never a part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def held(path: Path, *, blocking: bool = True) -> Iterator[int]:
+    """``path`` open and flock'd exclusively until the block ends; yields its
+    descriptor (a lock file may carry a record).  With ``blocking=False`` a lock
+    another holds raises BlockingIOError at once."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, data: object, *, mode: int = 0o644, durable: bool = False) -> None:
+    """Replace ``path`` with ``data`` as JSON, atomically; ``durable``: fsynced (file
+    and directory) before it counts.  Raises OSError; leaves no temporary file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        try:
+            os.fchmod(fd, mode)
+            rest = memoryview(json.dumps(data, sort_keys=True).encode())
+            while rest:  # a short write (a full disk) is finished or raises
+                rest = rest[os.write(fd, rest) :]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
