@@ -1,10 +1,19 @@
 """Per-job mounts on a node, for runtimes that need a mounted root filesystem.
 
-Under ``state_dir/jobs/<jobid>/`` (root-owned, 0755)::
+Under ``state_dir/jobs/<jobid>/`` (root-owned)::
 
-    img-<hex12>/          the SIF's squashfs partition, via squashfuse (read-only)
-    step-<stepid>/skel/   empty directories to bind host paths onto
-    step-<stepid>/root/   read-only overlay of skel over the image: what ch-run runs
+    img-<hex12>/          the SIF's squashfs partition, via squashfuse
+                          (ro,nosuid,nodev)
+    step-<stepid>/skel/   empty directories to bind host paths onto (0755)
+    step-<stepid>/root/   overlay of skel over the image (ro,nosuid,nodev):
+                          what ch-run runs
+
+``jobs/``, ``jobs/<jobid>/`` and ``step-<stepid>/`` are 0711: the job's user must
+traverse them to reach the container root, but nobody lists them.  What lies there
+is the image (every cached image is readable by every local user, see cache.py) and
+empty directories; no user data is ever mounted in the host's namespace (binds are
+made by the runtime, inside its own).  Every mount is ``nosuid,nodev``: a setuid
+file or a device node a user put into their own image is never honoured on the host.
 
 Why the overlay: ch-run can only bind onto directories that exist in the image,
 and a SIF is read-only.  The skeleton holds the mount points (working directory,
@@ -14,24 +23,26 @@ home, batch script directory) without ever touching the user's paths as root.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import re
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tfimage.agent import proc
 from tfimage.agent.errors import RuntimeSetupError
+from tfimage.agent.fsutil import held
+from tfimage.agent.ids import valid_job_id, valid_step_id
 from tfimage.agent.sif import root_partition
 
 MOUNT_TIMEOUT = 30.0
-_JOB = re.compile(r"[0-9]{1,10}\Z")
-_STEP = re.compile(r"[0-9]{1,10}\Z")
+# Every mount tfimage makes: read-only, and never a setuid file or device from an image.
+MOUNT_FLAGS = "ro,nosuid,nodev"
+# Directories a job's user must traverse but has no reason to list.
+TRAVERSE_ONLY = 0o711
 
 
 def job_dir(state_dir: str, job_id: str) -> Path:
-    if not _JOB.match(job_id):
+    if not valid_job_id(job_id):
         raise RuntimeSetupError(f"invalid job id {job_id!r}")
     return Path(state_dir) / "jobs" / job_id
 
@@ -53,13 +64,9 @@ def safe_abspath(path: str, what: str) -> str:
 def job_lock(state_dir: str, job_id: str) -> Iterator[None]:
     """Serialise the mounts of one job: its steps may start at the same moment."""
     base = job_dir(state_dir, job_id)
-    _mkdirs(Path(state_dir), base.parent)
-    fd = os.open(f"{base}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    _mkdirs(Path(state_dir), base.parent, TRAVERSE_ONLY)
+    with held(Path(f"{base}.lock")):
         yield
-    finally:
-        os.close(fd)
 
 
 def mounted(path: Path) -> bool:
@@ -68,13 +75,17 @@ def mounted(path: Path) -> bool:
         return any(line.split()[4] == target for line in f)
 
 
-def _mkdirs(state_dir: Path, path: Path) -> None:
-    """mkdir -p below a root-owned tree of our own, refusing links on the way."""
+def _mkdirs(state_dir: Path, path: Path, mode: int = 0o755) -> None:
+    """mkdir -p below a root-owned tree of our own, refusing links on the way; what
+    it creates gets ``mode`` (the umask aside)."""
     fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         for part in path.relative_to(state_dir).parts:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(part, 0o755, dir_fd=fd)
+            try:
+                os.mkdir(part, dir_fd=fd)
+                os.chmod(part, mode, dir_fd=fd)
+            except FileExistsError:
+                pass
             nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             os.close(fd)
             fd = nfd
@@ -88,11 +99,18 @@ def mount_image(state_dir: str, job_id: str, sif: Path, digest: str) -> Path:
     target = base / f"img-{digest.split(':')[1][:12]}"
     if mounted(target):
         return target
+    _mkdirs(Path(state_dir), base, TRAVERSE_ONLY)
     _mkdirs(Path(state_dir), target)
     with sif.open("rb") as f:
         part = root_partition(f, sif.stat().st_size)
     proc.run(
-        ["squashfuse", "-o", f"ro,offset={part.offset},allow_other", str(sif), str(target)],
+        [
+            "squashfuse",
+            "-o",
+            f"{MOUNT_FLAGS},offset={part.offset},allow_other",
+            str(sif),
+            str(target),
+        ],
         timeout=MOUNT_TIMEOUT,
         what="mounting the image",
     )
@@ -103,7 +121,7 @@ def step_root(
     state_dir: str, job_id: str, step_id: str, image: Path, mountpoints: Iterable[str]
 ) -> Path:
     """A read-only overlay of the image with ``mountpoints`` present as directories."""
-    if not _STEP.match(step_id):
+    if not valid_step_id(step_id):
         raise RuntimeSetupError(f"invalid step id {step_id!r}")
     base = job_dir(state_dir, job_id) / f"step-{step_id}"
     root = base / "root"
@@ -117,11 +135,20 @@ def step_root(
             proc.run(["umount", str(root)], timeout=MOUNT_TIMEOUT, what="remounting")
         except RuntimeSetupError:
             proc.run(["umount", "-l", str(root)], timeout=MOUNT_TIMEOUT, what="remounting")
+    _mkdirs(Path(state_dir), base, TRAVERSE_ONLY)
     for p in wanted:
         _mkdirs(Path(state_dir), skel / p)
     _mkdirs(Path(state_dir), root)
     proc.run(
-        ["mount", "-t", "overlay", "overlay", "-o", f"ro,lowerdir={skel}:{image}", str(root)],
+        [
+            "mount",
+            "-t",
+            "overlay",
+            "overlay",
+            "-o",
+            f"{MOUNT_FLAGS},lowerdir={skel}:{image}",
+            str(root),
+        ],
         timeout=MOUNT_TIMEOUT,
         what="preparing the container root",
     )

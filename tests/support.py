@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import os
 import shutil
+import socket
+import stat
+import struct
 import subprocess
+import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -80,8 +87,17 @@ def _run(*argv: str) -> None:
     subprocess.run(list(argv), check=True, capture_output=True, timeout=120)
 
 
-def push_oci_image(registry: Registry, d: Path, repo: str) -> None:
-    """busybox, a marker, Env FOO=bar and a working directory, as an OCI image."""
+def push_oci_image(
+    registry: Registry,
+    d: Path,
+    repo: str,
+    *,
+    setup: Callable[[Path], None] | None = None,
+    env: tuple[str, ...] = ("FOO=bar",),
+) -> None:
+    """busybox, a marker, Env FOO=bar and a working directory, as an OCI image;
+    ``setup`` may add to its root filesystem (links, setuid files, devices) and
+    ``env`` replaces its Env."""
     lay, bundle = d / "layout", d / "bundle"
     _run("umoci", "init", "--layout", str(lay))
     _run("umoci", "new", "--image", f"{lay}:t")
@@ -92,14 +108,15 @@ def push_oci_image(registry: Registry, d: Path, repo: str) -> None:
     shutil.copy("/bin/busybox", rootfs / "bin" / "busybox")
     (rootfs / "bin" / "sh").symlink_to("busybox")
     (rootfs / "etc" / "tfimage-test-image").write_text("oci-marker\n")
+    if setup:
+        setup(rootfs)
     _run("umoci", "repack", "--image", f"{lay}:t", str(bundle))
     _run(
         "umoci",
         "config",
         "--image",
         f"{lay}:t",
-        "--config.env",
-        "FOO=bar",
+        *[a for e in env for a in ("--config.env", e)],
         "--config.workingdir",
         "/etc",
         "--config.cmd",
@@ -141,3 +158,72 @@ def at_once(call: Callable[[], T], n: int) -> tuple[list[T], list[BaseException]
     for t in threads:
         t.join(60)
     return results, errors
+
+
+def ask_daemon(path: Path, *args: str) -> tuple[int, str, bytes]:
+    """One request to a daemon socket, as spank/daemon.c sends it: (status, stderr,
+    stdout)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(20)
+        s.connect(str(path))
+        s.sendall(b"TFI1\0" + b"".join(a.encode() + b"\0" for a in args))
+        s.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status, elen = struct.unpack(">iI", data[:8])
+    return status, data[8 : 8 + elen].decode(), data[8 + elen :]
+
+
+@contextlib.contextmanager
+def started_daemon(
+    tmp_path: Path, config: str
+) -> Iterator[tuple[Path, Path, subprocess.Popen[bytes]]]:
+    """A daemon on a config (``{run}``: its state dir); yields its run dir, the config
+    and the process."""
+    # Under /run, not pytest's 0700 tmp: another uid must be able to reach the socket.
+    run = Path(f"/run/tfimage-test-{os.getpid()}-{tmp_path.name}")
+    run.mkdir()
+    run.chmod(0o755)  # root-owned, searchable: what a node's /run/tfimage is
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(config.replace("{run}", str(run)))
+    log = tmp_path / "daemon.log"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tfimage.agent.cli", "--config", str(cfg), "daemon"],
+        stderr=log.open("w"),
+    )
+    for _ in range(100):
+        if "resolving on" in log.read_text():
+            break
+        time.sleep(0.05)
+    try:
+        assert (run / "resolve.sock").exists(), log.read_text()
+        assert (run / "daemon.sock").stat().st_mode & 0o777 == 0o600
+        assert (run / "resolve.sock").stat().st_mode & 0o777 == 0o666
+        yield run, cfg, p
+    finally:
+        p.kill()
+        p.wait()
+        shutil.rmtree(run, ignore_errors=True)
+
+
+EUID_C = r"""
+#include <stdio.h>
+#include <unistd.h>
+int main(void) { printf("%d\n", (int)geteuid()); return 0; }
+"""
+
+
+def add_privileges(root: Path, work: Path) -> None:
+    """What a user could put into their own image: ``/bin/euid``, a setuid-root
+    static program printing its effective uid, and ``/null``, a world-writable
+    character device (1,3: /dev/null, so opening it would work)."""
+    src = work / "euid.c"
+    src.write_text(EUID_C)
+    (root / "bin").mkdir(exist_ok=True)
+    subprocess.run(
+        ["gcc", "-static", "-O2", "-o", str(root / "bin/euid"), str(src)], check=True, timeout=120
+    )
+    (root / "bin/euid").chmod(0o4755)
+    os.mknod(root / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    os.chmod(root / "null", 0o666)  # noqa: S103 - the hostile image under test
