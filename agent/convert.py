@@ -7,25 +7,35 @@ and ``Entrypoint``/``Cmd`` are kept where Apptainer keeps them, under
 ``/.singularity.d/`` (``env/90-environment.sh`` and ``runscript``), and as
 ``/ch/environment`` for charliecloud.  Credentials reach skopeo through a private
 auth file, never through argv.
+
+The unpacked tree is the image's, so hostile: tfimage writes into it only through
+imagefs.py (no link followed), takes its ``Env`` as data (names checked, values
+quoted), and strips setuid/setgid bits and device nodes before mksquashfs.  With
+Apptainer doing the build, the mount flags (``nosuid,nodev``) and Apptainer's own
+``nosuid`` runtime are what make such files harmless.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
+import re
 import shlex
 import shutil
 import tempfile
 from pathlib import Path
 
-from tfimage.agent import proc
+from tfimage.agent import imagefs, proc
 from tfimage.agent.credentials import Credential
 from tfimage.agent.errors import ImageError, RuntimeSetupError
+from tfimage.agent.logtext import oneline
 from tfimage.agent.reference import Reference
 from tfimage.agent.sif import build_commands
 
 CONVERT_TIMEOUT = 3600.0
+log = logging.getLogger(__name__)
 
 
 IMAGE_CONFIGS = (
@@ -52,30 +62,59 @@ def _run(argv: list[str], what: str, env: dict[str, str] | None = None) -> str:
         raise ImageError(str(e)) from None
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def image_env(config: dict[str, object]) -> list[tuple[str, str]]:
+    """The image config's ``Env`` as (name, value) pairs.  It is data, never shell:
+    a name that is not a shell variable name is dropped with a warning."""
+    cfg = config.get("config") or {}
+    raw = cfg.get("Env") if isinstance(cfg, dict) else None
+    out: list[tuple[str, str]] = []
+    for item in raw if isinstance(raw, list) else []:
+        if not isinstance(item, str) or "=" not in item:
+            continue
+        name, _, value = item.partition("=")
+        if not _ENV_NAME.match(name) or "\0" in value:
+            log.warning("convert: dropped the image's Env entry %s", oneline(repr(name), 80))
+            continue
+        out.append((name, value))
+    return out
+
+
 def _keep_metadata(rootfs: Path, config: dict[str, object]) -> None:
-    """The image config's environment and command, where runtimes look for them."""
+    """The image config's environment and command, where runtimes look for them.
+    Written as root into a tree the image made: never through its links
+    (imagefs.py)."""
     cfg = config.get("config") or {}
     assert isinstance(cfg, dict)
-    env = [e for e in cfg.get("Env") or [] if isinstance(e, str) and "=" in e]
+    env = image_env(config)
     entry = [str(x) for x in cfg.get("Entrypoint") or []] + [str(x) for x in cfg.get("Cmd") or []]
     workdir = cfg.get("WorkingDir") or ""
-    sd = rootfs / ".singularity.d"
-    (sd / "env").mkdir(parents=True, exist_ok=True)
-    lines = [f"export {k}={shlex.quote(v)}" for k, _, v in (e.partition("=") for e in env)]
-    (sd / "env" / "90-environment.sh").write_text("#!/bin/sh\n" + "\n".join(lines) + "\n")
+    lines = [f"export {k}={shlex.quote(v)}" for k, v in env]
+    imagefs.write_file(
+        rootfs,
+        ".singularity.d/env/90-environment.sh",
+        ("#!/bin/sh\n" + "\n".join(lines) + "\n").encode(),
+    )
     run = "#!/bin/sh\n"
     if workdir:
         run += f"cd {shlex.quote(str(workdir))}\n"
     run += f'exec {shlex.join(entry)} "$@"\n' if entry else 'exec "$@"\n'
-    (sd / "runscript").write_text(run)
-    (sd / "runscript").chmod(0o755)
-    (rootfs / "ch").mkdir(exist_ok=True)
-    (rootfs / "ch" / "environment").write_text("\n".join(env) + "\n")
+    imagefs.write_file(rootfs, ".singularity.d/runscript", run.encode(), 0o755)
+    # ch-run's --set-env file: KEY=VALUE lines, one pair of outer quotes stripped and
+    # nothing else interpreted (with --env-no-expand), so single quotes around every
+    # value keep it exact.  A newline cannot be written there at all.
+    ch_env = []
+    for k, v in env:
+        if "\n" in v or "\r" in v:
+            log.warning("convert: %s holds a line break; charliecloud cannot be given it", k)
+            continue
+        ch_env.append(f"{k}='{v}'")
+    imagefs.write_file(rootfs, "ch/environment", ("\n".join(ch_env) + "\n").encode())
     for name in ("hosts", "resolv.conf"):  # ch-run binds the host's only over existing files
-        p = rootfs / "etc" / name
-        if not p.exists() and not p.is_symlink():
-            p.parent.mkdir(exist_ok=True)
-            p.write_text("")
+        if not imagefs.lexists(rootfs, f"etc/{name}"):
+            imagefs.write_file(rootfs, f"etc/{name}", b"")
 
 
 def apptainer_build(apptainer: str, work: Path) -> tuple[list[str], dict[str, str]]:
@@ -97,6 +136,15 @@ def _unpack_and_build(work: Path) -> None:
             "reading the image config",
         )
     )
+    stripped = imagefs.strip_privileges(work / "rootfs")
+    if stripped.setid or stripped.devices:
+        log.warning(
+            "convert: removed setuid/setgid bits from %d file(s) and %d device node(s) "
+            "of the image (first: %s)",
+            len(stripped.setid),
+            len(stripped.devices),
+            oneline(", ".join([*stripped.setid, *stripped.devices][:3]), 200),
+        )
     _keep_metadata(work / "rootfs", config)
     for argv in build_commands(work / "rootfs", work / "root.sqfs", work / "img.sif"):
         _run(argv, "making the SIF")

@@ -11,6 +11,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tfimage.agent import imagefs
 from tfimage.agent.errors import RuntimeSetupError
 
 
@@ -66,9 +67,9 @@ class Charliecloud:
     def prefix(self, root: Path, spec: StepSpec) -> list[str]:
         argv = [self.exe, "--no-passwd"]
         # The image's own environment (its config's Env, as the converter writes it):
-        # ch-run reads /ch/environment inside the image.  A link is not followed.
-        env_file = root / "ch" / "environment"
-        if not env_file.is_symlink() and env_file.is_file():
+        # ch-run reads /ch/environment inside the image.  Root follows no link of the
+        # image's to look (imagefs.py).
+        if imagefs.is_regular(root, "ch/environment"):
             argv += ["--env-no-expand", "--set-env"]  # OCI Env values are literal
         for b in spec.all_binds():
             argv += ["-b", f"{b.src}:{b.dst}"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from tfimage.agent import mounts
 from tfimage.agent.cache import ImageCache
 from tfimage.agent.config import load_config
 from tfimage.agent.convert import apptainer_build
+from tfimage.agent.errors import ImageError
 from tfimage.agent.sif import root_partition
 
 
@@ -38,7 +41,7 @@ def test_docker_reference_is_converted_and_cached(registry: Registry, tmp_path: 
         assert (img / "etc/tfimage-test-image").read_text() == "oci-marker\n"
         assert "export FOO=bar" in (img / ".singularity.d/env/90-environment.sh").read_text()
         assert "cd /etc" in (img / ".singularity.d/runscript").read_text()
-        assert "FOO=bar" in (img / "ch/environment").read_text().split()
+        assert "FOO='bar'" in (img / "ch/environment").read_text().split()
         assert (img / "etc/hosts").exists()  # added for ch-run
         assert (img / "bin/busybox").stat().st_uid == 0  # -all-root
     finally:
@@ -75,3 +78,100 @@ def test_apptainer_converts_a_real_image_where_installed(
     got = ImageCache(cfg).ensure(cfg.reference("docker://ocitest-apptainer:1"))
     with got.path.open("rb") as f:
         assert root_partition(f, got.path.stat().st_size).size > 0
+
+
+# --- the unpacked image is hostile: links, shell in Env, setuid files, devices ------
+
+
+@pytest.fixture
+def converting(registry: Registry, tmp_path: Path) -> ImageCache:
+    need("umoci", "skopeo", "mksquashfs", "siftool", "busybox", "squashfuse")
+    if os.geteuid() != 0:
+        pytest.skip("conversion writes a root-owned tree and reads it back mounted: root")
+    return ImageCache(load_config(registry.write_site(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    ("link", "written"),
+    [("ch", "environment"), (".singularity.d/env", "90-environment.sh")],
+)
+def test_an_image_whose_link_leads_out_is_refused_and_nothing_is_written_there(
+    converting: ImageCache, registry: Registry, tmp_path: Path, link: str, written: str
+) -> None:
+    outside = tmp_path / "host-dir"  # stands for /etc or /etc/profile.d
+    outside.mkdir()
+
+    def add_link(rootfs: Path) -> None:
+        (rootfs / link).parent.mkdir(parents=True, exist_ok=True)
+        (rootfs / link).symlink_to(outside)
+
+    repo = "library/linky-" + link.replace("/", "").replace(".", "")
+    push_oci_image(registry, tmp_path / "oci", repo, setup=add_link)
+    with pytest.raises(ImageError, match=rf"/{link} is a symbolic link .* refuses to write"):
+        converting.ensure(converting.cfg.reference(f"docker://{repo.split('/')[1]}:1"))
+    assert list(outside.iterdir()) == []  # root wrote nothing through the link
+    assert not list((converting.root / "images").iterdir())  # nothing published
+    assert not any((converting.root / "tmp").iterdir())  # no work left behind
+
+
+def test_the_image_env_is_data_never_shell(
+    converting: ImageCache, registry: Registry, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    canary = tmp_path / "ran"
+    value = f"$(touch {canary}) `touch {canary}` 'single' \"double\" \\ end\nsecond line"
+    env = (f"a;touch {canary};b=1", f"GOOD={value}", "PLAIN=x y")
+    push_oci_image(registry, tmp_path / "oci", "library/envy", env=env)
+    got = converting.ensure(converting.cfg.reference("docker://envy:1"))
+    assert got.ref.digest
+    state = tmp_path / "state"
+    state.mkdir()
+    img = mounts.mount_image(str(state), "1", got.path, got.ref.digest)
+    try:
+        script = img / ".singularity.d/env/90-environment.sh"
+        # What Apptainer does with it: sourced by a shell, then the task runs.
+        shown = subprocess.run(
+            ["/bin/sh", "-c", f'. "{script}"; printf %s "$GOOD"; printf "|%s" "$PLAIN"'],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        assert shown == f"{value}|x y"
+        assert not canary.exists()  # neither the key nor the value ran anything
+        assert "touch" not in script.read_text().split("GOOD=")[0]  # the bad key is gone
+        ch_env = (img / "ch/environment").read_text().splitlines()
+        assert ch_env == ["PLAIN='x y'"]  # a line break cannot be written there
+    finally:
+        mounts.release_job(str(state), "1")
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("dropped the image's Env entry 'a;touch" in m for m in warned), warned
+    assert any("GOOD holds a line break" in m for m in warned), warned
+
+
+def test_setuid_bits_and_devices_are_stripped_from_a_converted_image(
+    converting: ImageCache, registry: Registry, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def add_privileges(rootfs: Path) -> None:
+        shutil.copy("/bin/busybox", rootfs / "bin" / "rootshell")
+        (rootfs / "bin" / "rootshell").chmod(0o4755)
+        (rootfs / "bin" / "groupie").write_text("x")
+        (rootfs / "bin" / "groupie").chmod(0o2755)
+        os.mknod(rootfs / "mem", 0o666 | stat.S_IFCHR, os.makedev(1, 1))
+
+    push_oci_image(registry, tmp_path / "oci", "library/privy", setup=add_privileges)
+    got = converting.ensure(converting.cfg.reference("docker://privy:1"))
+    assert got.ref.digest
+    state = tmp_path / "state"
+    state.mkdir()
+    img = mounts.mount_image(str(state), "1", got.path, got.ref.digest)
+    try:
+        assert stat.S_IMODE((img / "bin/rootshell").stat().st_mode) == 0o755
+        assert stat.S_IMODE((img / "bin/groupie").stat().st_mode) == 0o755
+        assert not (img / "mem").exists()
+        assert (img / "bin/busybox").exists()  # the rest is intact
+    finally:
+        mounts.release_job(str(state), "1")
+    assert any(
+        "removed setuid/setgid bits from 2 file(s) and 1 device node(s)" in r.getMessage()
+        for r in caplog.records
+    )
