@@ -150,11 +150,8 @@ class ImageCache:
                     with self.lock(ref.digest):
                         path = self.path_of(ref.digest)
                         hit = path.exists()
-                        blob = (
-                            None
-                            if hit
-                            else self._fill(self._client_factory(host), host, ref, progress)
-                        )
+                        if not hit:
+                            self._fill(self._client_factory(host), host, ref, progress, job)
                     pinned = ref
                 else:
                     # By tag: requests for the same tag at once ask the registry once
@@ -173,15 +170,14 @@ class ImageCache:
                     with self.lock(digest):
                         hit = path.exists()
                         if hit:
-                            blob = None
+                            pass
                         elif asked:
                             client, manifest = asked[0]
-                            blob = self._fill(client, host, pinned, progress, manifest)
+                            self._fill(client, host, pinned, progress, job, manifest)
                         else:  # another asked for the tag: the manifest by its digest
-                            blob = self._fill(self._client_factory(host), host, pinned, progress)
-                self._touch(
-                    pinned, pinned.digest or "", job=job, blob=blob, source=None if hit else host
-                )
+                            self._fill(self._client_factory(host), host, pinned, progress, job)
+                if hit:
+                    self._touch(pinned, pinned.digest or "", job=job)
             except RegistryUnreachable as e:
                 last = e  # this one is down: the next mirror serves
                 continue
@@ -210,10 +206,11 @@ class ImageCache:
         host: str,
         pinned: Reference,
         progress: Progress | None,
+        job: str | None,
         manifest: Manifest | None = None,
-    ) -> str | None:
-        """Under the digest's lock: put the image ``pinned`` names into the cache.
-        Returns the SIF blob's digest (None for an OCI image, converted)."""
+    ) -> None:
+        """Under the digest's lock: put the image ``pinned`` names into the cache,
+        with its metadata (published together: see :meth:`_publish`)."""
         from tfimage.agent.artifact import sif_layer
         from tfimage.agent.convert import is_image_manifest, oci_to_sif
 
@@ -221,21 +218,68 @@ class ImageCache:
         if manifest is None:
             # By digest: the client checks the manifest's bytes against it.
             manifest = client.manifest(pinned.repository, pinned.digest)
-        path = self.path_of(pinned.digest)
+        tmp = self.root / "tmp" / f"{_key(pinned.digest)}.partial"
         if pinned.transport == "docker" or is_image_manifest(manifest.body):
             # An OCI image: converted once, cached under its manifest digest.
-            oci_to_sif(
-                pinned,
-                pinned.digest,
-                path,
-                self.root / "tmp",
-                credential=client.credential,
-                ca_bundle=self.cfg.ca_bundle,
-            )
-            return None
+            converted = tmp.with_suffix(".converted")
+            try:
+                oci_to_sif(
+                    pinned,
+                    pinned.digest,
+                    converted,
+                    self.root / "tmp",
+                    credential=client.credential,
+                    ca_bundle=self.cfg.ca_bundle,
+                )
+                self._publish(converted, pinned, job=job, source=host, blob=None)
+            finally:
+                self._discard(converted)
+            return
         layer = sif_layer(manifest)
-        self._download(client, pinned, layer.digest, layer.size, path, progress)
-        return layer.digest
+        self._download(client, pinned, layer.digest, layer.size, tmp, progress)
+        try:
+            self._publish(tmp, pinned, job=job, source=host, blob=layer.digest)
+        except CacheError:
+            self._discard(tmp)  # a full disk gets its space back
+            raise
+
+    def _publish(
+        self, tmp: Path, ref: Reference, *, job: str | None, source: str, blob: str | None
+    ) -> None:
+        """Under the digest's lock: make the verified file ``tmp`` the entry for
+        ``ref``, metadata first, so an image is never published without it (eviction
+        and ``cache ls`` see entries by their metadata).  A failure on the way leaves
+        neither; a crash between the two leaves metadata without its image, which
+        ``cache verify`` reports and ``cache prune`` removes."""
+        assert ref.digest
+        digest = ref.digest
+        size = tmp.stat().st_size
+        now = time.time()
+
+        def change(meta: dict[str, Any]) -> None:
+            meta.update(created=now, last_used=now, size=size, source=source)
+            if blob:
+                meta["blob"] = blob
+            name = f"{ref.name}:{ref.tag}" if ref.tag else ref.name
+            if name not in meta["refs"]:
+                meta["refs"].append(name)
+            if job and job not in meta["holders"]:
+                meta["holders"].append(job)
+
+        meta = self.read_meta(digest)
+        change(meta)
+        self.write_json(self.meta_path(digest), meta, what=digest[:19], durable=True)
+        try:
+            os.chmod(tmp, 0o444)
+            os.rename(tmp, self.path_of(digest))
+            dirfd = os.open(self.root / "images", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dirfd)
+            finally:
+                os.close(dirfd)
+        except OSError as e:
+            self._discard(self.meta_path(digest))
+            raise CacheError(f"{self.root}: cannot publish {ref.name}: {e.strerror}") from None
 
     def _download(
         self,
@@ -243,10 +287,11 @@ class ImageCache:
         ref: Reference,
         digest: str,
         size: int,
-        dest: Path,
+        tmp: Path,
         progress: Progress | None,
     ) -> None:
-        tmp = self.root / "tmp" / f"{dest.stem}.partial"
+        """Fill ``tmp`` with the verified blob (resuming what an interrupted pull
+        left there)."""
         try:
             try:
                 self._fetch(client, ref, digest, size, tmp, self.cfg.pull_connections, progress)
@@ -261,13 +306,6 @@ class ImageCache:
         except (VerificationError, RegistryError, CacheError):
             self._discard(tmp)
             raise
-        os.chmod(tmp, 0o444)
-        os.rename(tmp, dest)
-        dirfd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
 
     @staticmethod
     def _discard(tmp: Path) -> None:
@@ -335,17 +373,8 @@ class ImageCache:
                 raise VerificationError(f"{ref.name}: the download is not a SIF file")
             os.fsync(out.fileno())
 
-    def _touch(
-        self,
-        ref: Reference,
-        digest: str,
-        *,
-        job: str | None = None,
-        blob: str | None = None,
-        source: str | None = None,
-    ) -> None:
-        """Record a use: the ref, last_used, the job now holding the entry, and for a
-        download the registry or mirror that served it."""
+    def _touch(self, ref: Reference, digest: str, *, job: str | None = None) -> None:
+        """Record a use of a cached entry: the ref, last_used, the job now holding it."""
         name = f"{ref.name}:{ref.tag}" if ref.tag else ref.name
 
         def change(meta: dict[str, Any]) -> None:
@@ -353,10 +382,6 @@ class ImageCache:
                 meta["refs"].append(name)
             meta["last_used"] = time.time()
             meta["size"] = self.path_of(digest).stat().st_size
-            if blob:
-                meta["blob"] = blob
-            if source:
-                meta["source"] = source
             if job and job not in meta["holders"]:
                 meta["holders"].append(job)
 
@@ -368,7 +393,7 @@ class ImageCache:
     def read_meta(self, digest: str) -> dict[str, Any]:
         try:
             meta = json.loads(self.meta_path(digest).read_text())
-        except (FileNotFoundError, ValueError):
+        except (OSError, ValueError):  # none yet, or unreadable: writing it will say
             meta = {}
         base: dict[str, Any] = {
             "digest": digest,
@@ -409,13 +434,30 @@ class ImageCache:
         return released
 
     def entries(self) -> list[dict[str, Any]]:
+        """Every published entry's metadata (an entry is its metadata and its image;
+        either alone is an orphan: see :meth:`orphans`)."""
         out = []
         images = self.root / "images"
         if not images.is_dir():
             return []
         for meta_path in sorted(images.glob("*.json")):
             try:
-                out.append(json.loads(meta_path.read_text()))
+                meta = json.loads(meta_path.read_text())
             except (OSError, ValueError):
                 continue
+            if isinstance(meta, dict) and meta_path.with_suffix(".sif").exists():
+                out.append(meta)
+        return out
+
+    def orphans(self) -> list[Path]:
+        """Images without metadata and metadata without images (an interrupted
+        publish, or a cache an older tfimage wrote)."""
+        images = self.root / "images"
+        if not images.is_dir():
+            return []
+        out = []
+        for p in sorted(images.iterdir()):
+            other = p.with_suffix(".json" if p.suffix == ".sif" else ".sif")
+            if p.suffix in (".sif", ".json") and not other.exists():
+                out.append(p)
         return out

@@ -125,20 +125,23 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from tfimage.agent.evict import prune, stale_partials
+    from tfimage.agent.evict import orphans, prune, stale_partials
 
     cache = _cache(args)
     gone = prune(cache, dry_run=args.dry_run)
     partials = stale_partials(cache, dry_run=args.dry_run)
+    lost = orphans(cache, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"{verb} {g['digest']} ({', '.join(g.get('refs', []))})" for g in gone]
     lines += [f"{verb} {p.name} (an interrupted download nobody resumed)" for p in partials]
+    lines += [f"{verb} {p.name} (an orphan: half of an entry)" for p in lost]
     _out(
         args,
         {
             "dry_run": args.dry_run,
             "removed": [g["digest"] for g in gone],
             "partials": [p.name for p in partials],
+            "orphans": [p.name for p in lost],
         },
         "\n".join(lines) or "nothing to prune",
     )

@@ -153,8 +153,17 @@ def orphans(cache: ImageCache, *, dry_run: bool = False) -> list[Path]:
 
 
 def verify(cache: ImageCache) -> list[tuple[str, str]]:
-    """Re-hash every entry; returns (digest, problem) for each bad one."""
-    bad = []
+    """Re-hash every entry; returns (digest, problem) for each bad one, and for
+    each orphan (an image without metadata, or metadata without its image)."""
+    bad = [
+        (
+            p.stem.replace("-", ":", 1),
+            "image without metadata (cache prune removes it)"
+            if p.suffix == ".sif"
+            else "metadata without its image (cache prune removes it)",
+        )
+        for p in cache.orphans()
+    ]
     for meta in cache.entries():
         path = cache.path_of(meta["digest"])
         try:

@@ -206,3 +206,42 @@ def test_prune_drops_interrupted_downloads_nobody_resumed(
     assert json.loads(r.stdout)["partials"] == [f"{old}.partial"]
     left = sorted(p.name for p in tmp.iterdir())
     assert left == sorted([f"{busy}.partial", f"{young}.partial"])  # marks went too
+
+
+# --- an entry is its image and its metadata: never one without the other -------------
+
+
+def test_an_image_is_never_published_without_its_metadata(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    digest = registry.client().push_sif("library/halfway", "1", make_sif({"h": "1"}))
+    cache = ImageCache(load_config(registry.write_site(tmp_path)))
+    cache.make_dirs()
+    # The metadata cannot be written (a directory in its way, as a full disk would).
+    cache.meta_path(digest).mkdir()
+    with pytest.raises(CacheError, match="cannot record"):
+        cache.ensure(cache.cfg.reference("halfway:1"))
+    assert not cache.path_of(digest).exists()  # not published
+    assert not list((cache.root / "tmp").iterdir())  # and nothing left behind
+    cache.meta_path(digest).rmdir()
+    got = cache.ensure(cache.cfg.reference("halfway:1"))  # the next pull publishes both
+    assert got.path.exists() and cache.meta_path(digest).exists()
+    assert [e["digest"] for e in cache.entries()] == [digest]
+
+
+def test_orphans_are_reported_by_verify_and_removed_by_prune(
+    filled: tuple[ImageCache, dict[str, str], Path],
+) -> None:
+    cache, digests, cfg_path = filled
+    images = cache.root / "images"
+    lone_sif = images / f"sha256-{'1' * 64}.sif"  # an older tfimage's half-published entry
+    lone_sif.write_bytes(cache.path_of(digests["a"]).read_bytes())
+    lone_json = images / f"sha256-{'2' * 64}.json"  # a crash between the two steps
+    lone_json.write_text(json.dumps({"digest": "sha256:" + "2" * 64, "holders": []}))
+    assert {d for d, _ in verify(cache)} == {"sha256:" + "1" * 64, "sha256:" + "2" * 64}
+    assert len(cache.entries()) == 4  # neither counts as an entry
+    r = cache_cli(cfg_path, "prune", "--json")
+    assert r.returncode == 0, r.stderr
+    assert sorted(json.loads(r.stdout)["orphans"]) == sorted([lone_sif.name, lone_json.name])
+    assert not lone_sif.exists() and not lone_json.exists()
+    assert verify(cache) == [] and len(cache.entries()) == 4  # the real entries untouched
