@@ -107,6 +107,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         site_env=cfg.site_env,
         port_range=cfg.tf_port_range,
         single_task_tf_config=cfg.single_task_tf_config,
+        limit=cfg.step_max_tasks,
     )
     rows = []
     for name, d in sorted(te.set.items()):

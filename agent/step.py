@@ -62,6 +62,8 @@ def step_env(cfg: Config, req: StepRequest) -> dict[int, dict[str, str]]:
 
     The batch script has no step layout: it gets the site variables only.
     """
+    if not 0 <= req.local_tasks <= cfg.step_max_tasks:
+        raise StepLayoutError(f"{req.local_tasks} local tasks: more than step_max_tasks")
     if "SLURM_STEP_NODELIST" not in req.layout:
         return {i: dict(cfg.site_env) for i in range(max(1, req.local_tasks))}
     out = {}
@@ -72,6 +74,7 @@ def step_env(cfg: Config, req: StepRequest) -> dict[int, dict[str, str]]:
             site_env=cfg.site_env,
             port_range=cfg.tf_port_range,
             single_task_tf_config=cfg.single_task_tf_config,
+            limit=cfg.step_max_tasks,
         )
         out[local] = {k: d.value for k, d in te.set.items()}
     return out

@@ -24,11 +24,12 @@ import json
 import re
 import socket
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tfimage.agent.errors import TfimageError
+from tfimage.agent.logtext import oneline
 
 MAX_HOSTS = 65536
 
@@ -39,87 +40,129 @@ class StepLayoutError(TfimageError):
     exit_code = 2
 
 
-def _split_top(text: str) -> list[str]:
-    """Split on commas that are not inside brackets."""
-    parts: list[str] = []
-    cur: list[str] = []
+def _split_top(text: str) -> Iterator[str]:
+    """The comma-separated names of a hostlist (commas inside brackets are not
+    separators), one at a time: a caller stops at its limit without the rest."""
     depth = 0
-    for c in text:
+    start = 0
+    for i, c in enumerate(text):
         if c == "[":
             depth += 1
         elif c == "]":
             depth -= 1
             if depth < 0:
-                raise StepLayoutError(f"unbalanced ']' in hostlist {text!r}")
-        if c == "," and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(c)
+                raise StepLayoutError(f"unbalanced ']' in hostlist {oneline(text, 80)!r}")
+        elif c == "," and depth == 0:
+            yield text[start:i]
+            start = i + 1
     if depth:
-        raise StepLayoutError(f"unbalanced '[' in hostlist {text!r}")
-    parts.append("".join(cur))
-    return parts
+        raise StepLayoutError(f"unbalanced '[' in hostlist {oneline(text, 80)!r}")
+    yield text[start:]
 
 
-def _expand_range(body: str, text: str) -> list[str]:
-    out: list[str] = []
+def _ranges(body: str, text: str, limit: int) -> tuple[list[tuple[int, int, int]], int]:
+    """A bracket's ranges as (lo, hi, width), and how many names they make; nothing
+    expanded, and no more than ``limit`` names' worth even parsed."""
+    out = []
+    count = 0
     for item in body.split(","):
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
+        m = re.fullmatch(r"(\d{1,9})(?:-(\d{1,9}))?", item)
         if not m:
-            raise StepLayoutError(f"bad range {item!r} in hostlist {text!r}")
-        lo, hi = m.group(1), m.group(2) or m.group(1)
-        width = len(lo)
-        if int(hi) < int(lo) or int(hi) - int(lo) > MAX_HOSTS:
-            raise StepLayoutError(f"bad range {item!r} in hostlist {text!r}")
-        out += [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
-    return out
+            raise StepLayoutError(
+                f"bad range {oneline(item, 40)!r} in hostlist {oneline(text, 80)!r}"
+            )
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise StepLayoutError(
+                f"bad range {oneline(item, 40)!r} in hostlist {oneline(text, 80)!r}"
+            )
+        out.append((lo, hi, len(m.group(1))))
+        count += hi - lo + 1
+        if count > limit:
+            break
+    return out, count
 
 
-def expand_hostlist(text: str) -> list[str]:
-    """``rack[1-2]-n[01-02],gpu9`` -> rack1-n01, rack1-n02, rack2-n01, rack2-n02, gpu9."""
-    hosts: list[str] = []
+def expand_hostlist(text: str, limit: int = MAX_HOSTS) -> list[str]:
+    """``rack[1-2]-n[01-02],gpu9`` -> rack1-n01, rack1-n02, rack2-n01, rack2-n02, gpu9.
+
+    The count (the product of each name's ranges, summed over names) is checked
+    against ``limit`` before a single name is built: the text comes from a job."""
+    parts = []
+    total = 0
     for part in _split_top(text.strip()):
         if not part:
-            raise StepLayoutError(f"empty name in hostlist {text!r}")
+            raise StepLayoutError(f"empty name in hostlist {oneline(text, 80)!r}")
         pieces = re.split(r"(\[[^\]]*\])", part)
-        names = [""]
+        parsed: list[str | list[tuple[int, int, int]]] = []
+        count = 1
         for piece in pieces:
             if piece.startswith("["):
-                names = [n + r for n in names for r in _expand_range(piece[1:-1], text)]
+                ranges, n = _ranges(piece[1:-1], text, limit)
+                count *= n
+                parsed.append(ranges)
             else:
+                parsed.append(piece)
+            if count > limit:
+                break
+        total += count
+        if total > limit:
+            raise StepLayoutError(f"hostlist {oneline(text, 80)!r} names more than {limit} nodes")
+        parts.append(parsed)
+    hosts: list[str] = []
+    for parsed in parts:
+        names = [""]
+        for piece in parsed:
+            if isinstance(piece, str):
                 names = [n + piece for n in names]
-            if len(names) > MAX_HOSTS:
-                raise StepLayoutError(f"hostlist {text[:80]!r} is too long")
+            else:
+                names = [
+                    n + str(i).zfill(w)
+                    for n in names
+                    for lo, hi, w in piece
+                    for i in range(lo, hi + 1)
+                ]
         hosts += names
     return hosts
 
 
-def expand_counts(text: str) -> list[int]:
-    """``2(x3),1`` -> [2, 2, 2, 1]."""
-    out: list[int] = []
+def expand_counts(text: str, limit: int = MAX_HOSTS) -> list[int]:
+    """``2(x3),1`` -> [2, 2, 2, 1]; at most ``limit`` nodes and ``limit`` tasks in
+    all, checked before expanding."""
+    items = []
+    nodes = tasks = 0
     for item in text.strip().split(","):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item)
+        m = re.fullmatch(r"(\d{1,9})(?:\(x(\d{1,9})\))?", item)
         if not m:
-            raise StepLayoutError(f"bad tasks-per-node item {item!r} in {text!r}")
-        out += [int(m.group(1))] * int(m.group(2) or 1)
-        if len(out) > MAX_HOSTS:
-            raise StepLayoutError("tasks-per-node list is too long")
-    return out
+            raise StepLayoutError(
+                f"bad tasks-per-node item {oneline(item, 40)!r} in {oneline(text, 80)!r}"
+            )
+        n, times = int(m.group(1)), int(m.group(2) or 1)
+        nodes += times
+        tasks += n * times
+        if nodes > limit or tasks > limit:
+            raise StepLayoutError(f"tasks-per-node {oneline(text, 80)!r} is more than {limit}")
+        items.append((n, times))
+    return [n for n, times in items for _ in range(times)]
 
 
-def expand_ports(text: str) -> list[int]:
-    """``20000-20003`` or ``20000,20002-20003`` -> the ports, in order."""
-    ports: list[int] = []
+def expand_ports(text: str, limit: int = MAX_HOSTS) -> list[int]:
+    """``20000-20003`` or ``20000,20002-20003`` -> the ports, in order (at most
+    ``limit``, checked before expanding)."""
+    ranges = []
+    count = 0
     for item in text.strip().split(","):
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
+        m = re.fullmatch(r"(\d{1,5})(?:-(\d{1,5}))?", item)
         if not m:
-            raise StepLayoutError(f"bad reserved port item {item!r}")
+            raise StepLayoutError(f"bad reserved port item {oneline(item, 40)!r}")
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if not 0 < lo <= hi < 65536:
             raise StepLayoutError(f"bad reserved port range {item!r}")
-        ports += range(lo, hi + 1)
-    return ports
+        count += hi - lo + 1
+        if count > limit:
+            raise StepLayoutError(f"reserved ports {oneline(text, 80)!r} are more than {limit}")
+        ranges.append((lo, hi))
+    return [p for lo, hi in ranges for p in range(lo, hi + 1)]
 
 
 def hashed_ports(job_id: str, step_id: str, count: int, lo: int, hi: int) -> list[int]:
@@ -151,8 +194,13 @@ class Layout:
         ]
 
 
-def step_layout(env: Mapping[str, str], port_range: tuple[int, int] = (29000, 29999)) -> Layout:
-    """Read a task's layout from its Slurm variables, strictly."""
+def step_layout(
+    env: Mapping[str, str],
+    port_range: tuple[int, int] = (29000, 29999),
+    limit: int = MAX_HOSTS,
+) -> Layout:
+    """Read a task's layout from its Slurm variables, strictly: at most ``limit``
+    nodes and tasks, counted before anything is expanded."""
 
     def need(name: str) -> str:
         v = env.get(name)
@@ -163,8 +211,8 @@ def step_layout(env: Mapping[str, str], port_range: tuple[int, int] = (29000, 29
             )
         return v
 
-    hosts = expand_hostlist(need("SLURM_STEP_NODELIST"))
-    tasks = expand_counts(need("SLURM_STEP_TASKS_PER_NODE"))
+    hosts = expand_hostlist(need("SLURM_STEP_NODELIST"), limit)
+    tasks = expand_counts(need("SLURM_STEP_TASKS_PER_NODE"), limit)
     if len(hosts) != len(tasks):
         raise StepLayoutError(
             f"SLURM_STEP_NODELIST has {len(hosts)} nodes but SLURM_STEP_TASKS_PER_NODE "
@@ -178,7 +226,7 @@ def step_layout(env: Mapping[str, str], port_range: tuple[int, int] = (29000, 29
         raise StepLayoutError(f"task {node_id}/{local_id} is outside the step's layout")
     most = max(tasks)
     if env.get("SLURM_STEP_RESV_PORTS"):
-        ports = expand_ports(env["SLURM_STEP_RESV_PORTS"])
+        ports = expand_ports(env["SLURM_STEP_RESV_PORTS"], limit)
         if len(ports) < most:
             raise StepLayoutError(
                 f"Slurm reserved {len(ports)} port(s) ({env['SLURM_STEP_RESV_PORTS']}) but a "
@@ -241,9 +289,10 @@ def task_env(
     single_task_tf_config: bool = False,
     port_range: tuple[int, int] = (29000, 29999),
     interface_of: Callable[[str], str | None] = route_interface,
+    limit: int = MAX_HOSTS,
 ) -> TaskEnv:
     out = TaskEnv()
-    layout = step_layout(env, port_range)
+    layout = step_layout(env, port_range, limit)
     total = sum(layout.tasks)
     if total > 1 or single_task_tf_config:
         cfg = {

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+import tracemalloc
 
 import pytest
 
@@ -151,3 +153,42 @@ def test_single_task_gets_no_tf_config_unless_configured() -> None:
     env = env_for("n1", "1", 0, 0)
     assert "TF_CONFIG" not in task_env(env, interface_of=lambda h: None).set
     assert "TF_CONFIG" in task_env(env, single_task_tf_config=True, interface_of=lambda h: None).set
+
+
+HUGE = "a[0-65535][0-65535]"
+
+
+@pytest.mark.parametrize(
+    ("var", "text"),
+    [
+        ("SLURM_STEP_NODELIST", HUGE),
+        ("SLURM_STEP_NODELIST", ",".join([HUGE] * 20)),
+        ("SLURM_STEP_NODELIST", "n[0-999999999]"),
+        ("SLURM_STEP_NODELIST", ",".join(["x"] * 70000)),
+        ("SLURM_STEP_NODELIST", "r[" + ",".join(["1"] * 200000) + "]"),
+        ("SLURM_STEP_TASKS_PER_NODE", "1(x999999999)"),
+        ("SLURM_STEP_TASKS_PER_NODE", ",".join(["999999999(x1)"] * 20)),
+        ("SLURM_STEP_RESV_PORTS", ",".join(["1-65535"] * 20)),
+    ],
+)
+def test_a_hostile_layout_is_refused_before_it_is_expanded(var: str, text: str) -> None:
+    env = {
+        "SLURM_JOB_ID": "1",
+        "SLURM_STEP_NODELIST": "n1",
+        "SLURM_STEP_TASKS_PER_NODE": "1",
+        "SLURM_STEP_RESV_PORTS": "20000",
+        "SLURM_NODEID": "0",
+        "SLURM_LOCALID": "0",
+        var: text,
+    }
+    tracemalloc.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(StepLayoutError, match="more than 65536"):
+            step_layout(env)
+        took = time.monotonic() - started
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert took < 1.0, took
+    assert peak < 50 << 20, peak >> 20
