@@ -193,7 +193,9 @@ def cmd_step_prepare(args: argparse.Namespace) -> int:
         local_tasks=args.local_tasks,
         tf_mount=args.mounts,
     )
-    plan = plan_step(_config(args), req)
+    cfg = _config(args)
+    with deadline(cfg.hook_deadline, "step preparation"):
+        plan = plan_step(cfg, req)
     # A NUL-separated token stream for the plugin:
     #   argv N a1 .. aN        the runtime's prefix
     #   env L NAME VALUE       set NAME=VALUE in local task L, unless the user set it
@@ -227,7 +229,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     cfg = _config(args)
     state = Path(cfg.state_dir)
     resolve = None if args.no_resolver else Path(args.resolve_socket or state / "resolve.sock")
-    return serve(Path(args.socket or state / "daemon.sock"), cfg.hook_deadline, cfg, resolve)
+    return serve(Path(args.socket or state / "daemon.sock"), cfg, resolve)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

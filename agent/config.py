@@ -35,7 +35,18 @@ class Config:
     runtime_path: str | None = None
     connect_timeout: float = 5.0
     read_timeout: float = 30.0
-    hook_deadline: float = 900.0
+    # The one deadline of a hook's or a step's preparation (pull, convert, mount):
+    # the prolog gives up at it; the daemon, tfimage-hook and the plugin wait a
+    # little longer (HOOK_GRACE), never starting a second run.  Keep it below
+    # Slurm's PrologEpilogTimeout (the role and doctor check).
+    hook_deadline: float = 600.0
+    hook_log: str = "/var/log/tfimage/hooks.log"
+    # Token services (Bearer realms) that may receive the registry credentials, by
+    # host name, besides the registry's own host.
+    token_realms: tuple[str, ...] = ()
+    # The most tasks (and nodes) a step's layout may describe; checked before any
+    # hostlist is expanded.
+    step_max_tasks: int = 65536
     # SRC:DST[:ro|rw] bound into every container whose SRC exists on the node.
     default_mounts: tuple[str, ...] = field(default_factory=tuple)
     # Where --tf-mount sources may come from.
@@ -77,7 +88,7 @@ class Config:
         return ref
 
 
-_TUPLES = {"mirrors", "allowed_registries", "default_mounts", "mount_prefixes"}
+_TUPLES = {"mirrors", "allowed_registries", "default_mounts", "mount_prefixes", "token_realms"}
 _FLOATS = {
     "connect_timeout",
     "read_timeout",
@@ -86,7 +97,14 @@ _FLOATS = {
     "cache_low_watermark",
     "cache_min_age",
 }
-_INTS = {"pull_connections": (1, 16), "pull_stripe_bytes": (1 << 16, 1 << 28)}
+_INTS = {
+    "pull_connections": (1, 16),
+    "pull_stripe_bytes": (1 << 16, 1 << 28),
+    "step_max_tasks": (1, 1 << 20),
+}
+# Seconds the daemon, tfimage-hook and the plugin wait beyond hook_deadline for a
+# hook that gave up to say so (Python start, cleanup, the answer).
+HOOK_GRACE = 30
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
@@ -149,7 +167,7 @@ def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Conf
         raise ConfigError(f"{path}: runtime must be one of {', '.join(RUNTIMES)}")
     if not 0 < cfg.cache_low_watermark <= cfg.cache_high_watermark <= 100:
         raise ConfigError(f"{path}: watermarks need 0 < low <= high <= 100")
-    for key in ("cache_dir", "state_dir"):
+    for key in ("cache_dir", "state_dir", "hook_log"):
         if not str(getattr(cfg, key)).startswith("/"):
             raise ConfigError(f"{path}: '{key}' must be an absolute path")
     return cfg

@@ -11,12 +11,19 @@ Trust: the socket is created mode 0600 in a root-owned directory, and each peer'
 uid is checked (SO_PEERCRED): only root (slurmstepd) is served.  Only the
 ``step-prepare`` command and the node hooks (``tfimage-prolog``/``-epilog``, via
 spank/hook.c) are accepted, their arguments parsed by the same strict parsers as
-when they run as programs.  Each worker runs under the config's hook deadline.
+when they run as programs.  The hooks and step-prepare give up by themselves at
+the config's ``hook_deadline``; the daemon kills a worker still running
+``HOOK_GRACE`` seconds later, and its clients wait no longer than that either, so
+no hook ever runs twice at once.  A hook's answer is 0 whatever went wrong inside
+the daemon (hooklog.py: only a node fault may drain a node).
 
 A second socket, ``resolve.sock`` (mode 0666), serves every local user one thing:
 pinning a reference at submit (see resolver.py for its request and its trust).
-At most ``MAX_RESOLVERS`` of those run at once; beyond that a request is answered
-"busy" at once and the plugin pins by itself.
+A request must arrive whole within ``RESOLVE_READ`` seconds (not per read: a byte
+every second holds nothing for long); at most ``MAX_RESOLVERS`` run at once and at
+most ``MAX_RESOLVERS_PER_UID`` for one user, so one user's flood leaves the other
+slots to everyone else.  Beyond those, a request is answered "busy" at once and
+the plugin pins by itself.
 
 Protocol: see spank/daemon.c.
 """
@@ -34,12 +41,16 @@ import sys
 import time
 from pathlib import Path
 
-from tfimage.agent.config import Config
+from tfimage.agent.config import HOOK_GRACE, Config
 from tfimage.agent.errors import TfimageError
+from tfimage.agent.logtext import oneline
 
 MAGIC = b"TFI1\0"
 MAX_RESOLVERS = 16
+MAX_RESOLVERS_PER_UID = 4
 RESOLVE_DEADLINE = 60  # seconds; the plugin gives up sooner (submit_timeout)
+RESOLVE_READ = 2.0  # seconds for a whole request on the users' socket
+ROOT_READ = 10.0  # and on the root socket
 MAX_REQUEST = 1 << 20
 COMMANDS = frozenset({"step-prepare"})
 # The node hooks, run through spank/hook.c (tfimage-hook) from prolog.d/epilog.d.
@@ -72,10 +83,21 @@ def _peer_uid(conn: socket.socket) -> int:
 
 
 def _read_argv(conn: socket.socket, limit: int, timeout: float) -> list[str] | None:
-    """A request's arguments; None for a probe (``tfimage doctor`` connects, sends nothing)."""
-    conn.settimeout(timeout)
+    """A request's arguments, all of it within ``timeout`` seconds; None for a probe
+    (``tfimage doctor`` connects, sends nothing)."""
+    deadline = time.monotonic() + timeout
     data = b""
-    while chunk := conn.recv(65536):
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TfimageError(f"daemon: request not complete within {timeout:g} s")
+        conn.settimeout(left)
+        try:
+            chunk = conn.recv(65536)
+        except TimeoutError:
+            raise TfimageError(f"daemon: request not complete within {timeout:g} s") from None
+        if not chunk:
+            break
         data += chunk
         if len(data) > limit:
             raise TfimageError("daemon: request too large")
@@ -88,7 +110,7 @@ def _read_argv(conn: socket.socket, limit: int, timeout: float) -> list[str] | N
 
 def _read_request(conn: socket.socket) -> list[str] | None:
     """A root peer's request: a node hook or ``step-prepare``, nothing else."""
-    argv = _read_argv(conn, MAX_REQUEST, 10)
+    argv = _read_argv(conn, MAX_REQUEST, ROOT_READ)
     if argv is None:
         return None
     if argv and argv[0] in HOOKS:
@@ -124,6 +146,7 @@ def _work(conn: socket.socket) -> None:
     started = time.monotonic()
     status, out, err = 70, b"", b""
     what = ["?"]
+    hook = False
     try:
         if _peer_uid(conn) != 0:
             print("tfimage: daemon: refused a non-root peer", file=sys.stderr, flush=True)
@@ -132,38 +155,57 @@ def _work(conn: socket.socket) -> None:
         if request is None:
             return
         argv = request
-        ids = [a for i, a in enumerate(argv) if i > 0 and argv[i - 1] in ("--job", "--step")]
-        what = [argv[0] if argv[0] in HOOKS else "step-prepare", "job", *ids[:1]]
-        what += ["step", *ids[1:2]] if len(ids) > 1 else []
-        out_fd, err_fd = os.memfd_create("out"), os.memfd_create("err")
-        saved = os.dup(1), os.dup(2)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(out_fd, 1)
-        os.dup2(err_fd, 2)
-        try:
-            try:
-                status = _run(argv)
-            except SystemExit as e:  # argparse's usage errors
-                status = e.code if isinstance(e.code, int) else 2
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-        out = os.pread(out_fd, MAX_REQUEST, 0)
-        size = os.fstat(err_fd).st_size
-        err = os.pread(err_fd, 65536, max(0, size - 65536))  # the tail explains
-    except (TfimageError, OSError) as e:
-        err = f"tfimage: {e}\n".encode()
-        status = 70
+        hook = argv[0] in HOOKS
+        what = [argv[0] if hook else "step-prepare", *_ids(argv)]
+        status, out, err = _captured(argv)
+    except Exception as e:  # the daemon's own trouble: one line, never a traceback
+        cause = str(e) if isinstance(e, TfimageError) else f"{type(e).__name__}: {e}"
+        err = f"tfimage: daemon: {cause}\n".encode()
+        status = 0 if hook else 70  # a hook's outcome is never the daemon's fault
     _answer(conn, status, err, out)
     took = (time.monotonic() - started) * 1000
     print(
-        f"tfimage: daemon: {' '.join(what)[:200]} -> {status} in {took:.0f} ms",
+        f"tfimage: daemon: {oneline(' '.join(what))} -> {status} in {took:.0f} ms",
         file=sys.stderr,
         flush=True,
     )
+
+
+def _ids(argv: list[str]) -> list[str]:
+    """``job N step M`` from a request's ``--job=N --step=M`` (for the log line)."""
+    out: list[str] = []
+    for i, a in enumerate(argv):
+        for name in ("job", "step"):
+            if a.startswith(f"--{name}="):
+                out += [name, a.split("=", 1)[1]]
+            elif a == f"--{name}" and i + 1 < len(argv):
+                out += [name, argv[i + 1]]
+    return out[:4]
+
+
+def _captured(argv: list[str]) -> tuple[int, bytes, bytes]:
+    """Run ``argv``'s entry point with fds 1 and 2 captured: (status, stdout, the
+    tail of stderr, which explains a failure)."""
+    out_fd, err_fd = os.memfd_create("out"), os.memfd_create("err")
+    saved = os.dup(1), os.dup(2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    try:
+        try:
+            status = _run(argv)
+        except SystemExit as e:  # argparse's usage errors
+            status = e.code if isinstance(e.code, int) else 2
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+    out = os.pread(out_fd, MAX_REQUEST, 0)
+    size = os.fstat(err_fd).st_size
+    err = os.pread(err_fd, 65536, max(0, size - 65536))
+    return status, out, err
 
 
 def _resolve(conn: socket.socket, cfg: Config) -> None:
@@ -175,10 +217,10 @@ def _resolve(conn: socket.socket, cfg: Config) -> None:
     status, out, err = resolver.RETRY_YOURSELF, "", ""
     try:
         uid = _peer_uid(conn)
-        argv = _read_argv(conn, resolver.MAX_REQUEST, 2)
+        argv = _read_argv(conn, resolver.MAX_REQUEST, RESOLVE_READ)
         if argv is None:
             return
-        status, out, err = resolver.answer(cfg, resolver.parse_request(argv))
+        status, out, err = resolver.answer(cfg, resolver.parse_request(argv), uid)
     except (TfimageError, OSError) as e:
         err = f"tfimage: {e}\n"
     except Exception as e:  # a bug: one line, and the plugin pins by itself
@@ -193,19 +235,7 @@ def _answer(conn: socket.socket, status: int, err: bytes, out: bytes) -> None:
         conn.sendall(struct.pack(">iI", status, len(err)) + err + out)
 
 
-def _reap(children: set[int]) -> None:
-    while children:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            children.clear()
-            return
-        if pid == 0:
-            return
-        children.discard(pid)
-
-
-def serve(path: Path, deadline: float, cfg: Config, resolve_path: Path | None = None) -> int:
+def serve(path: Path, cfg: Config, resolve_path: Path | None = None) -> int:
     # Everything a step or a pin needs, imported once, before the first request
     # (a forked worker would otherwise import it again each time: the registry
     # client and its hashlib are ~8 ms).
@@ -238,7 +268,7 @@ def serve(path: Path, deadline: float, cfg: Config, resolve_path: Path | None = 
     # systemctl stop (SIGTERM): leave no socket behind for clients to find dead.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        _loop(sel, listeners, deadline, cfg)
+        _loop(sel, listeners, cfg)
     finally:
         if os.getpid() == parent:
             for p in (path, resolve_path):
@@ -248,18 +278,56 @@ def serve(path: Path, deadline: float, cfg: Config, resolve_path: Path | None = 
     return 0
 
 
+class _Workers:
+    """The forked workers: when each must be done by, and whose pin each serves."""
+
+    def __init__(self) -> None:
+        self.due: dict[int, float] = {}
+        self.resolving: dict[int, int] = {}  # pid -> the peer's uid
+
+    def add(self, pid: int, limit: float, uid: int | None) -> None:
+        self.due[pid] = time.monotonic() + limit
+        if uid is not None:
+            self.resolving[pid] = uid
+
+    def busy(self, uid: int) -> bool:
+        """Whether a pin for ``uid`` must wait: all slots taken, or this user's."""
+        mine = sum(1 for u in self.resolving.values() if u == uid)
+        return len(self.resolving) >= MAX_RESOLVERS or mine >= MAX_RESOLVERS_PER_UID
+
+    def reap(self) -> None:
+        """Forget the workers that ended; kill those past their limit (a worker
+        whose own deadline failed must not outlive what its client waits for)."""
+        now = time.monotonic()
+        for pid, due in list(self.due.items()):
+            if now > due:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        while self.due:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                self.due.clear()
+                self.resolving.clear()
+                return
+            if pid == 0:
+                return
+            self.due.pop(pid, None)
+            self.resolving.pop(pid, None)
+
+
 def _loop(
     sel: selectors.BaseSelector,
     listeners: dict[socket.socket, str],
-    deadline: float,
     cfg: Config,
 ) -> None:
-    resolvers: set[int] = set()
-    workers: set[int] = set()
+    workers = _Workers()
+    # A hook or step gives up by itself at hook_deadline; its worker is killed a
+    # little later, before the client (HOOK_GRACE beyond the deadline) stops waiting.
+    root_limit = cfg.hook_deadline + HOOK_GRACE * 2 / 3
     while True:
         ready = sel.select(timeout=1.0)
-        _reap(workers)
-        resolvers &= workers
+        workers.reap()
         for key, _ in ready:
             sock, kind = key.data
             try:
@@ -267,22 +335,29 @@ def _loop(
             except (BlockingIOError, InterruptedError):
                 continue
             conn.setblocking(True)
-            if kind == "resolve" and len(resolvers) >= MAX_RESOLVERS:
-                # A flood of users must not fork root processes without bound.  What
-                # the client sent is drained, never waited for: unread data would
-                # turn the answer into a reset (the plugin pins by itself either way).
-                with contextlib.suppress(OSError):
-                    conn.recv(MAX_REQUEST, socket.MSG_DONTWAIT)
-                _answer(conn, 75, b"tfimage: resolver: busy\n", b"")
-                conn.close()
-                continue
+            uid = None
+            if kind == "resolve":
+                try:
+                    uid = _peer_uid(conn)
+                except OSError:
+                    conn.close()
+                    continue
+                if workers.busy(uid):
+                    # One user's flood must not fork root processes without bound,
+                    # nor take everyone's slots.  What the client sent is drained,
+                    # never waited for: unread data would turn the answer into a
+                    # reset (the plugin pins by itself either way).
+                    with contextlib.suppress(OSError):
+                        conn.recv(MAX_REQUEST, socket.MSG_DONTWAIT)
+                    _answer(conn, 75, b"tfimage: resolver: busy\n", b"")
+                    conn.close()
+                    continue
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 for s in listeners:
                     s.close()
-                signal.alarm(max(1, int(deadline if kind == "root" else RESOLVE_DEADLINE)))
                 try:
                     if kind == "root":
                         _work(conn)
@@ -292,7 +367,5 @@ def _loop(
                     conn.close()
                     sys.stderr.flush()
                     os._exit(0)
-            workers.add(pid)
-            if kind == "resolve":
-                resolvers.add(pid)
+            workers.add(pid, root_limit if kind == "root" else RESOLVE_DEADLINE, uid)
             conn.close()

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from tfimage.agent.config import Config, load_config
+from tfimage.agent.config import HOOK_GRACE, Config, load_config
 from tfimage.agent.errors import TfimageError
 from tfimage.agent.slurmconf import hook_scripts, read_plugstack, read_slurm_conf
 
@@ -206,6 +206,20 @@ def check_hooks(ctx: Context) -> Iterator[Finding]:
             "PrologFlags lacks Alloc: images are pulled too late",
             "add Alloc to PrologFlags in slurm.conf",
         )
+    timeout = conf.get("prologepilogtimeout", "")
+    if ctx.cfg is not None and timeout.isdigit():
+        # slurmd kills a hook that outlives it, and drains the node.
+        need = ctx.cfg.hook_deadline + HOOK_GRACE
+        if need >= int(timeout):
+            yield Finding(
+                "hooks",
+                "error",
+                f"hook_deadline ({ctx.cfg.hook_deadline:g} s) + {HOOK_GRACE} s of grace is not "
+                f"below PrologEpilogTimeout ({timeout} s): a slow pull would drain the node",
+                "lower hook_deadline in the tfimage config or raise PrologEpilogTimeout",
+            )
+        else:
+            yield Finding("hooks", "ok", f"hook_deadline ends before PrologEpilogTimeout={timeout}")
 
 
 def check_runtime(ctx: Context) -> Iterator[Finding]:

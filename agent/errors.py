@@ -10,9 +10,13 @@
     |   |   +-- RangeUnsupported     Range answered with the whole blob (caller streams it)
     |   +-- VerificationError    size, digest, media type or SIF magic wrong
     |   +-- CacheError           the node cache can't store or publish it
+    |   +-- DeadlineExceeded     not ready within the config's hook_deadline
     +-- RuntimeSetupError        mounting or preparing the runtime failed   (exit 3)
+    +-- NodeFault                the node's own hardware is faulty (a GPU)  (exit 1)
 
-Anything else escaping is a bug; the CLI prints it as one line with exit 70.
+Anything else escaping is a bug; the CLI prints it as one line with exit 70.  The
+node hooks (hooklog.guarded) exit 0 for every exception but ``NodeFault``: only a
+fault of the node may drain it.
 """
 
 from __future__ import annotations
@@ -60,5 +64,16 @@ class CacheError(ImageError):
     pass
 
 
+class DeadlineExceeded(ImageError):  # noqa: N818 - it names what happened
+    pass
+
+
 class RuntimeSetupError(TfimageError):
     exit_code = 3
+
+
+class NodeFault(TfimageError):  # noqa: N818 - it names what the node has
+    """A fault of the node itself: the one reason a hook exits non-zero (Slurm then
+    drains the node and requeues the job)."""
+
+    exit_code = 1

@@ -6,19 +6,22 @@ Called as root, by the prolog (once per job) and by the SPANK plugin's helper
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import pwd
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tfimage.agent import mounts
-from tfimage.agent.binds import parse_mounts
+from tfimage.agent.binds import MountError, parse_mounts, under
 from tfimage.agent.cache import CachedImage, ImageCache
 from tfimage.agent.config import Config
-from tfimage.agent.errors import RuntimeSetupError
+from tfimage.agent.errors import ImageError, RuntimeSetupError, TfimageError
+from tfimage.agent.fsutil import write_json
+from tfimage.agent.logtext import oneline
 from tfimage.agent.runtime import Bind, Runtime, StepSpec, runtime_for
-from tfimage.agent.tfenv import task_env
+from tfimage.agent.tfenv import StepLayoutError, task_env
+from tfimage.agent.userpath import realpaths_as
 
 # The only step variables the plugin passes in; everything else is ignored.
 LAYOUT_VARS = frozenset(
@@ -80,50 +83,90 @@ def step_env(cfg: Config, req: StepRequest) -> dict[int, dict[str, str]]:
     return out
 
 
-def _record_path(cfg: Config, job_id: str) -> Path:
-    return mounts.job_dir(cfg.state_dir, job_id).with_suffix(".images.json")
+class JobRecord:
+    """``state_dir/jobs/<job>.images.json``: for each image text the job uses on this
+    node, the reference it was pinned to, or why the prolog could not ready it::
 
+        {"pinned": {"reg/library/x:1": "reg/library/x:1@sha256:..."},
+         "failed": {"reg/library/y:2": "reg.example: unreachable: ..."}}
 
-def _pinned_for_job(cfg: Config, job_id: str, image: str) -> str | None:
-    """What this job's image text was pinned to on this node (by the prolog)."""
-    try:
-        record = json.loads(_record_path(cfg, job_id).read_text())
-    except (OSError, ValueError):
-        return None
-    pinned = record.get(image) if isinstance(record, dict) else None
-    return pinned if isinstance(pinned, str) else None
+    Its existence also says the job is live on this node (evict.live_job).  Changed
+    under the job's lock, replaced atomically."""
 
+    def __init__(self, cfg: Config, job_id: str) -> None:
+        self.cfg = cfg
+        self.job_id = job_id
+        self.path = mounts.job_dir(cfg.state_dir, job_id).with_suffix(".images.json")
 
-def _remember(cfg: Config, job_id: str, image: str, pinned: str) -> None:
-    path = _record_path(cfg, job_id)
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        record = {}
-    record[image] = pinned
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    def _load(self) -> dict[str, dict[str, str]]:
+        try:
+            raw = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            raw = {}
+        out: dict[str, dict[str, str]] = {"pinned": {}, "failed": {}}
+        if not isinstance(raw, dict):
+            return out
+        for part in out:
+            got = raw.get(part)
+            if isinstance(got, dict):
+                out[part] = {k: v for k, v in got.items() if isinstance(v, str)}
+        return out
+
+    def pinned(self, key: str) -> str | None:
+        return self._load()["pinned"].get(key)
+
+    def failure(self, key: str) -> str | None:
+        return self._load()["failed"].get(key)
+
+    def _change(self, part: str, key: str, value: str) -> None:
+        with mounts.job_lock(self.cfg.state_dir, self.job_id):
+            record = self._load()
+            record[part][key] = value
+            if part == "pinned":
+                record["failed"].pop(key, None)
+            write_json(self.path, record, mode=0o600)
+
+    def set_pinned(self, key: str, pinned: str) -> None:
+        self._change("pinned", key, pinned)
+
+    def set_failed(self, key: str, reason: str) -> None:
+        self._change("failed", key, oneline(reason, 500))
 
 
 def _ready(
-    cfg: Config, job_id: str, image: str, runtime: Runtime, cache: ImageCache | None
+    cfg: Config,
+    job_id: str,
+    image: str,
+    runtime: Runtime,
+    cache: ImageCache | None,
+    *,
+    prolog: bool = False,
 ) -> tuple[CachedImage, Path | None]:
     """The job's image in the node cache, and mounted when the runtime needs that."""
     ref = cfg.reference(image)
     key = str(ref.unpinned)
-    known = _pinned_for_job(cfg, job_id, key)
+    record = JobRecord(cfg, job_id)
+    known = record.pinned(key)
+    if not known and not prolog and (why := record.failure(key)):
+        # The user learns of it now, not after a second wait as long as the first.
+        raise ImageError(f"the prolog could not ready it on this node: {why}")
     if known and not ref.digest:
         ref = cfg.reference(known)  # what the job was pinned to, not what the tag is now
-    cached = (cache or ImageCache(cfg)).ensure(ref, job=job_id)
-    if not known:
+    try:
+        cached = (cache or ImageCache(cfg)).ensure(ref, job=job_id)
+        if not known:
+            record.set_pinned(key, str(cached.ref))
+        if not runtime.needs_mount:
+            return cached, None
+        assert cached.ref.digest
         with mounts.job_lock(cfg.state_dir, job_id):
-            _remember(cfg, job_id, key, str(cached.ref))
-    if not runtime.needs_mount:
-        return cached, None
-    assert cached.ref.digest
-    with mounts.job_lock(cfg.state_dir, job_id):
-        return cached, mounts.mount_image(cfg.state_dir, job_id, cached.path, cached.ref.digest)
+            image_dir = mounts.mount_image(cfg.state_dir, job_id, cached.path, cached.ref.digest)
+        return cached, image_dir
+    except Exception as e:
+        if prolog and not known:
+            with contextlib.suppress(Exception):  # the reason is logged by the caller
+                record.set_failed(key, str(e) if isinstance(e, TfimageError) else repr(e))
+        raise
 
 
 def prepare_job(
@@ -132,9 +175,11 @@ def prepare_job(
     """Prolog: pull the image into the node cache and mount it if the runtime needs it.
 
     The pinned reference is remembered for the job, so its steps reuse exactly the
-    bytes the prolog fetched without asking the registry again.
+    bytes the prolog fetched without asking the registry again; a failure is
+    remembered too, and the job's steps report it at once instead of trying again.
     """
-    return _ready(cfg, job_id, image, runtime_for(cfg.runtime, cfg.runtime_path), cache)[0]
+    runtime = runtime_for(cfg.runtime, cfg.runtime_path)
+    return _ready(cfg, job_id, image, runtime, cache, prolog=True)[0]
 
 
 def _home_of(uid: int) -> str | None:

@@ -36,7 +36,8 @@ int tfi_parse_args(int ac, char **av)
 	strcpy(tfi_conf.helper, "/opt/tfimage/bin/tfimage");
 	strcpy(tfi_conf.config, "/etc/tfimage/config.yaml");
 	tfi_conf.submit_timeout = 30;
-	tfi_conf.prepare_timeout = 900;
+	/* the config's default hook_deadline, and the grace beyond it */
+	tfi_conf.prepare_timeout = 600 + TFI_HOOK_GRACE;
 	tfi_conf.daemon[0] = '\0';
 	tfi_conf.resolver[0] = '\0';
 

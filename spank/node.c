@@ -109,54 +109,53 @@ static int prepare(void)
 {
 	static const char *const layout[] = { "SLURM_JOB_ID", "SLURM_STEP_ID",
 		"SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_RESV_PORTS", NULL };
-	char sjob[16], sstep[16], suid[16], snode[16], slocal[16], err[512];
-	char *hargv[48], *out = NULL, *lay[8] = { NULL };
+	char err[512];
+	char *hargv[48], *out = NULL, *own[16] = { NULL };
 	size_t len = 0;
-	int h = 0, rc;
+	int h = 0, o = 0, rc = -1;
 
-	snprintf(sjob, sizeof(sjob), "%u", tfi_state.job_id);
-	snprintf(sstep, sizeof(sstep), "%u", tfi_state.step_id);
-	snprintf(suid, sizeof(suid), "%u", tfi_state.uid);
-	snprintf(snode, sizeof(snode), "%u", tfi_state.node_id);
-	snprintf(slocal, sizeof(slocal), "%u", tfi_state.local_tasks);
+	/* Every value as --name=VALUE: a value is the job's, and one starting with
+	 * '-' must stay a value (agent/wire.py). */
 	hargv[h++] = tfi_conf.helper;
 	hargv[h++] = "--config";
 	hargv[h++] = tfi_conf.config;
 	hargv[h++] = "step-prepare";
-	hargv[h++] = "--job";
-	hargv[h++] = sjob;
-	hargv[h++] = "--step";
-	hargv[h++] = sstep;
-	hargv[h++] = "--uid";
-	hargv[h++] = suid;
-	hargv[h++] = "--image";
-	hargv[h++] = tfi_state.image;
+	if (asprintf(&own[o++], "--job=%u", tfi_state.job_id) < 0 ||
+	    asprintf(&own[o++], "--step=%u", tfi_state.step_id) < 0 ||
+	    asprintf(&own[o++], "--uid=%u", tfi_state.uid) < 0 ||
+	    asprintf(&own[o++], "--image=%s", tfi_state.image) < 0 ||
+	    asprintf(&own[o++], "--node-id=%u", tfi_state.node_id) < 0 ||
+	    asprintf(&own[o++], "--local-tasks=%u", tfi_state.local_tasks) < 0) {
+		own[o - 1] = NULL;
+		snprintf(err, sizeof(err), "out of memory");
+		goto failed;
+	}
+	for (int i = 0; i < o; i++)
+		hargv[h++] = own[i];
 	if (tfi_state.workdir[0]) {
-		hargv[h++] = "--workdir";
-		hargv[h++] = tfi_state.workdir;
+		if (asprintf(&own[o], "--workdir=%s", tfi_state.workdir) < 0)
+			goto oom;
+		hargv[h++] = own[o++];
 	}
 	if (tfi_state.script[0]) {
-		hargv[h++] = "--script";
-		hargv[h++] = tfi_state.script;
+		if (asprintf(&own[o], "--script=%s", tfi_state.script) < 0)
+			goto oom;
+		hargv[h++] = own[o++];
 	}
 	if (tfi_state.mounts[0]) {
-		hargv[h++] = "--mounts";
-		hargv[h++] = tfi_state.mounts;
+		if (asprintf(&own[o], "--mounts=%s", tfi_state.mounts) < 0)
+			goto oom;
+		hargv[h++] = own[o++];
 	}
-	hargv[h++] = "--node-id";
-	hargv[h++] = snode;
-	hargv[h++] = "--local-tasks";
-	hargv[h++] = slocal;
 	/* The step's layout, for TF_CONFIG: the helper parses it strictly. */
 	for (int i = 0; layout[i]; i++) {
 		const char *v = env_get(tfi_state.job_env, layout[i]);
 
-		if (!v || asprintf(&lay[i], "%s=%s", layout[i], v) < 0) {
-			lay[i] = NULL;
+		if (!v)
 			continue;
-		}
-		hargv[h++] = "--layout";
-		hargv[h++] = lay[i];
+		if (asprintf(&own[o], "--layout=%s=%s", layout[i], v) < 0)
+			goto oom;
+		hargv[h++] = own[o++];
 	}
 	hargv[h] = NULL;
 
@@ -165,18 +164,26 @@ static int prepare(void)
 			     sizeof(err));
 	if (rc == -2)
 		rc = tfi_run_helper(hargv, tfi_conf.prepare_timeout, &out, &len, err, sizeof(err));
-	for (int i = 0; i < 8; i++)
-		free(lay[i]);
 	if (rc == 0 && parse_answer(out, len) == 0) {
+		for (int i = 0; i < o; i++)
+			free(own[i]);
 		free(tfi_state.prefix_buf);
 		tfi_state.prefix_buf = out;
 		tfi_state.error[0] = '\0';
 		return 0;
 	}
+	if (rc == 0)
+		snprintf(err, sizeof(err), "the helper gave no usable command");
+	else if (!err[0])
+		snprintf(err, sizeof(err), "the helper failed");
+	goto failed;
+oom:
+	snprintf(err, sizeof(err), "out of memory");
+failed:
+	for (int i = 0; i < o; i++)
+		free(own[i]);
 	snprintf(tfi_state.error, sizeof(tfi_state.error), "tfimage: prepare %s: %s",
-		 tfi_state.image,
-		 rc != 0 ? (err[0] ? tfi_strip_prefix(err) : "the helper failed")
-			 : "the helper gave no usable command");
+		 tfi_state.image, tfi_strip_prefix(err));
 	slurm_error("%s (job %u step %u)", tfi_state.error, tfi_state.job_id, tfi_state.step_id);
 	free(out);
 	return -1;

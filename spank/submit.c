@@ -6,6 +6,7 @@
  * The host's tfimage daemon answers first when it runs (its resolver socket, a
  * few ms); anything but a pinned reference or a rejected input from it, and the
  * helper pins as the user, as it would with no daemon (agent/resolver.py). */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -45,14 +46,17 @@ static int ask_resolver(char **out, size_t *len, char *err, size_t errlen)
 
 int tfi_submit_init_post_opt(spank_t sp)
 {
+	/* --mounts=VALUE: a value starting with '-' stays a value. */
+	char mounts[sizeof(tfi_state.mounts) + 16];
 	char *argv[] = { tfi_conf.helper, "--config", tfi_conf.config, "submit-check",
-			 "--mounts", tfi_state.mounts, "--", tfi_state.image, NULL };
+			 mounts, "--", tfi_state.image, NULL };
 	char err[512];
 	char *out = NULL;
 	size_t len = 0;
 	long long start = tfi_now_ms();
 	int rc;
 
+	snprintf(mounts, sizeof(mounts), "--mounts=%s", tfi_state.mounts);
 	rc = ask_resolver(&out, &len, err, sizeof(err));
 	if (rc == -2) {
 		long long left = tfi_conf.submit_timeout - (tfi_now_ms() - start) / 1000;

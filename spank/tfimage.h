@@ -19,6 +19,9 @@
 #define TFI_MAX_PATH 4096
 #define TFI_MAX_ARGS 256
 #define TFI_MAX_ENV 1024
+/* Seconds a caller waits beyond the config's hook_deadline for the helper or a
+ * hook to say it gave up (agent/config.py HOOK_GRACE). */
+#define TFI_HOOK_GRACE 30
 
 enum tfi_batch { TFI_BATCH_AUTO = 0, TFI_BATCH_CONTAINER, TFI_BATCH_HOST };
 

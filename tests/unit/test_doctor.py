@@ -17,7 +17,14 @@ REPO = Path(__file__).resolve().parents[2]
 PLUGIN = REPO / "spank" / "build" / "spank_tfimage.so"
 
 
-def _node(tmp: Path, registry: Registry, *, flags: str = "Alloc", plugin: bool = True) -> Context:
+def _node(
+    tmp: Path,
+    registry: Registry,
+    *,
+    flags: str = "Alloc",
+    plugin: bool = True,
+    prolog_timeout: int = 1200,
+) -> Context:
     need("srun", "ch-run", "squashfuse")
     if plugin and not PLUGIN.exists():
         pytest.skip(f"{PLUGIN} is not built (make spank)")
@@ -39,6 +46,7 @@ def _node(tmp: Path, registry: Registry, *, flags: str = "Alloc", plugin: bool =
         f"PlugStackConfig={tmp}/plugstack.conf\n"
         f"Prolog={tmp}/prolog.d/*\nEpilog={tmp}/epilog.d/*\n"
         + (f"PrologFlags={flags}\n" if flags else "")
+        + f"PrologEpilogTimeout={prolog_timeout}\n"
         + "NodeName=n1 CPUs=1\nPartitionName=p Nodes=n1\n"
     )
     (tmp / "fuse.conf").write_text("# site\nuser_allow_other\n")
@@ -58,7 +66,7 @@ def test_a_node_in_order_exits_0(tmp_path: Path, registry: Registry) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the cache must be root-owned: run as root")
 def test_each_fault_is_an_error_with_a_fix(tmp_path: Path, registry: Registry) -> None:
-    ctx = _node(tmp_path, registry, flags="Contain", plugin=False)
+    ctx = _node(tmp_path, registry, flags="Contain", plugin=False, prolog_timeout=600)
     os.chmod(tmp_path / "cache", 0o777)  # noqa: S103 - the fault under test
     (tmp_path / "fuse.conf").write_text("#user_allow_other\n")
     creds = tmp_path / "credentials.yaml"
@@ -68,6 +76,10 @@ def test_each_fault_is_an_error_with_a_fix(tmp_path: Path, registry: Registry) -
     errors = {(f.check, f.message) for f in findings if f.level == "error"}
     assert exit_status(findings) == 2
     assert ("hooks", "PrologFlags lacks Alloc: images are pulled too late") in errors
+    assert any(
+        c == "hooks" and m.startswith("hook_deadline (600 s) + 30 s of grace is not below")
+        for c, m in errors
+    )
     assert ("cache", f"{tmp_path / 'cache'} is writable by others (mode 0777)") in errors
     assert ("runtime", f"{tmp_path / 'fuse.conf'} lacks user_allow_other") in errors
     assert any(c == "plugin" and "no spank_tfimage.so line" in m for c, m in errors)

@@ -7,7 +7,9 @@ Prolog= and Epilog= become prolog.d-style globs (Slurm >= 21.08 runs every match
 - a single program: that program is linked as ``DIR/00-site-<kind>`` so it still
   runs first, and the key becomes ``DIR/*``; the old line stays, commented.
 PrologFlags gains ``Alloc`` (and anything else asked for); other flags are kept.
-Nothing else in the file is touched.  Supports check mode and diff.
+Nothing else in the file is touched.  Supports check mode and diff.  Returns the
+file's PrologEpilogTimeout (seconds, or null when unset: Slurm then waits for ever)
+so that the role can keep tfimage's hook deadline below it.
 """
 
 from __future__ import annotations
@@ -108,8 +110,11 @@ def main() -> None:
     }
     dirs_to_make = [d for d in set(extra["dirs"].values()) if not os.path.isdir(d)]
     changed = changed or bool(links_to_make) or bool(dirs_to_make)
+    i = _key_line(before.splitlines(), "PrologEpilogTimeout")
+    timeout = _value(before.splitlines()[i]) if i is not None else ""
     result = {
         "changed": changed,
+        "prolog_epilog_timeout": int(timeout) if timeout.isdigit() else None,
         "prolog_dir": extra["dirs"]["Prolog"],
         "epilog_dir": extra["dirs"]["Epilog"],
         "site_links": extra["links"],

@@ -1,0 +1,407 @@
+"""The node hooks never fail a node for tfimage.
+
+Slurm drains a node whose Prolog or Epilog exits non-zero.  Whatever a job, an image
+or a registry does, and whatever breaks on the node's side of tfimage, the hooks log
+one line and exit 0: run directly, through the node daemon, and through the role's
+own prolog script and ``tfimage-hook``.  A hook has one deadline; a prolog that
+reaches it gives up once (never a second run beside the first) and the job's steps
+report why at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jinja2
+import pytest
+from hostile import Server
+
+from support import Registry, ask_daemon, started_daemon
+from tfimage.agent.config import load_config
+from tfimage.agent.errors import ImageError, NodeFault
+from tfimage.agent.hooklog import guarded, hook_logger
+from tfimage.agent.runtime import runtime_for
+from tfimage.agent.step import _ready
+from tfimage.epilog.main import main as epilog
+from tfimage.prolog.main import main as prolog
+from tokenauth import TokenService
+
+REPO = Path(__file__).resolve().parents[2]
+ROLE = REPO / "deploy/ansible/roles/tfimage/templates"
+VENV_BIN = Path(sys.executable).parent
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root: run as root")
+
+
+def _site(tmp_path: Path, **extra: object) -> Path:
+    """A node's config: an unreachable registry unless ``extra`` says otherwise."""
+    settings: dict[str, object] = {
+        "registry": "r.invalid",
+        "cache_dir": tmp_path / "cache",
+        "state_dir": tmp_path / "state",
+        "hook_log": tmp_path / "hooks.log",
+        "connect_timeout": 2,
+        "read_timeout": 5,
+        **extra,
+    }
+    cfg = tmp_path / "config.yaml"
+    # JSON is YAML too; paths as strings.
+    cfg.write_text(
+        json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()})
+    )
+    return cfg
+
+
+def _log(tmp_path: Path) -> list[str]:
+    path = tmp_path / "hooks.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+# --- hostile values and every kind of failure -----------------------------------------
+
+
+@pytest.mark.parametrize("image", ["-x", "--help", "-h", "--job=1"])
+def test_an_image_value_starting_with_a_dash_stays_a_value(tmp_path: Path, image: str) -> None:
+    cfg = _site(tmp_path)
+    assert prolog([f"--config={cfg}", "--job=7", f"--image={image}"]) == 0
+    lines = _log(tmp_path)
+    assert len(lines) == 1 and "job 7: image " in lines[0] and "invalid image reference" in lines[0]
+
+
+@pytest.fixture(scope="session")
+def hook_binary() -> Path:
+    """spank/build/tfimage-hook, built with the plugin (make spank)."""
+    subprocess.run(["make", "-s", "-C", str(REPO / "spank"), "all"], check=True, timeout=300)
+    return REPO / "spank" / "build" / "tfimage-hook"
+
+
+def _render(template: str, tmp_path: Path, hook: Path, daemon: bool) -> Path:
+    """The role's own prolog/epilog script, rendered for this test's node."""
+    env = jinja2.Environment(keep_trailing_newline=True, autoescape=False)  # noqa: S701 - shell
+    env.filters.update(bool=bool, int=int)  # Ansible's, as the role uses them
+    text = env.from_string((ROLE / template).read_text()).render(
+        ansible_managed="test",
+        tfimage_daemon=daemon,
+        tfimage_plugin_dir=str(hook.parent),
+        tfimage_state_dir=str(tmp_path / "run"),
+        tfimage_hook_deadline=30,
+        tfimage_prefix=str(VENV_BIN.parent),
+        tfimage_config_dir=str(tmp_path),
+    )
+    script = tmp_path / template.removesuffix(".j2")
+    script.write_text(text)
+    return script
+
+
+@pytest.mark.parametrize("through", ["the program", "tfimage-hook and the daemon"])
+def test_the_roles_prolog_never_fails_for_a_hostile_image_value(
+    tmp_path: Path, hook_binary: Path, through: str
+) -> None:
+    daemon = through != "the program"
+    (tmp_path / "node").mkdir()
+    cfg = _site(tmp_path)
+    script = _render("prolog.j2", tmp_path, hook_binary, daemon)
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "9", "SPANK_TFIMAGE_IMAGE": "-x"}
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["/bin/sh", str(script)], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    if daemon:
+        conf_text = cfg.read_text().replace(str(tmp_path / "state"), "{run}")
+        with started_daemon(tmp_path / "node", conf_text) as (run_dir, _, _):
+            (tmp_path / "run").symlink_to(run_dir)
+            r = run()
+        assert "tfimage-prolog job 9 -> 0" in (tmp_path / "node" / "daemon.log").read_text()
+    else:
+        r = run()
+    assert r.returncode == 0, r.stderr
+    assert "invalid image reference '-x'" in r.stderr
+
+
+@contextlib.contextmanager
+def _full_tmpfs(path: Path) -> Iterator[Path]:
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)], check=True)
+    try:
+        fd = os.open(path / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError:
+            pass  # full
+        finally:
+            os.close(fd)
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def cached_image(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> str:
+    """A small image in the registry, pinned: the prolog's usual input."""
+    digest = registry.client().push_sif("library/hooky", "1", make_sif({"m": "1"}))
+    return f"{registry.host}/library/hooky:1@{digest}"
+
+
+def _registry_site(registry: Registry, tmp_path: Path, **extra: object) -> Path:
+    cfg = registry.write_site(tmp_path)
+    text = cfg.read_text() + f"hook_log: {tmp_path / 'hooks.log'}\n"
+    text += "".join(f"{k}: {v}\n" for k, v in extra.items())
+    cfg.write_text(text)
+    return cfg
+
+
+@pytest.mark.parametrize("case", ["cache_dir is a file", "/run is full"])
+def test_a_node_side_failure_is_one_line_and_exit_0(
+    registry: Registry, cached_image: str, tmp_path: Path, case: str
+) -> None:
+    cfg = _registry_site(registry, tmp_path)
+    argv = [f"--config={cfg}", "--job=7", f"--image={cached_image}"]
+    if case == "cache_dir is a file":
+        (tmp_path / "cache").write_text("a file where a directory is expected")
+        want = "FileExistsError"
+        assert prolog(argv) == 0
+    else:
+        want = "No space left on device"
+        with _full_tmpfs(tmp_path / "state"):
+            assert prolog(argv) == 0
+    lines = _log(tmp_path)
+    assert len(lines) == 1 and "job 7:" in lines[0] and want in lines[0], lines
+
+
+def test_each_part_of_the_epilog_fails_alone_with_one_line_and_exit_0(tmp_path: Path) -> None:
+    cfg = _site(tmp_path)
+    (tmp_path / "state").write_text("a file where a directory is expected")
+    # An entry job 7 holds, whose lock cannot be taken (locks/ is a file).
+    images = tmp_path / "cache" / "images"
+    images.mkdir(parents=True)
+    (images / f"sha256-{'a' * 64}.sif").write_text("x")
+    meta = {"digest": "sha256:" + "a" * 64, "holders": ["7"], "refs": []}
+    (images / f"sha256-{'a' * 64}.json").write_text(json.dumps(meta))
+    (tmp_path / "cache" / "locks").write_text("a file where a directory is expected")
+    assert epilog([f"--config={cfg}", "--job=7"]) == 0
+    lines = _log(tmp_path)
+    assert len(lines) == 2, lines
+    assert "job 7: cleanup: unmounting: NotADirectoryError" in lines[0]
+    assert "job 7: cleanup: releasing its images: NotADirectoryError" in lines[1]
+
+
+def test_a_hostile_token_with_a_line_break_is_one_line_and_exit_0(
+    tls: Path, tmp_path: Path
+) -> None:
+    s = Server(tls)
+    try:
+        s.serve(b"x", bearer=True, token_text="abc\r\nX-Injected: 1")
+        creds = tmp_path / "creds.json"
+        creds.write_text(f'{{"registries": {{"{s.host}": {{"username": "u", "password": "p"}}}}}}')
+        creds.chmod(0o600)
+        cfg = _site(tmp_path, registry=s.host, ca_bundle=tls / "ca.crt", credentials=creds)
+        assert prolog([f"--config={cfg}", "--job=7", "--image=x:1"]) == 0
+    finally:
+        s.httpd.shutdown()
+    lines = _log(tmp_path)
+    assert len(lines) == 1 and "token service sent an unusable token" in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ValueError("bad\nvalue"),
+        OSError(28, "No space left on device"),
+        MemoryError(),
+        RuntimeError("a bug"),
+        KeyboardInterrupt(),
+        SystemExit(2),
+    ],
+)
+def test_guarded_turns_anything_but_a_node_fault_into_one_line_and_0(
+    exc: BaseException, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = hook_logger("prolog", log_file=None)
+
+    def body() -> int:
+        raise exc
+
+    assert guarded(log, "prolog", body) == 0
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "tfimage-prolog: prolog: " in err, err
+
+
+def test_a_node_fault_is_the_one_non_zero_exit(capsys: pytest.CaptureFixture[str]) -> None:
+    log = hook_logger("prolog", log_file=None)
+
+    def body() -> int:
+        raise NodeFault("gpu0 GPU-1234: volatile uncorrected ECC")
+
+    assert guarded(log, "prolog", body) == 1
+
+
+def test_sigterm_ends_a_prolog_with_one_line_and_exit_0(tls: Path, tmp_path: Path) -> None:
+    s = Server(tls)
+    try:
+        blob = os.urandom(4 << 20)
+        s.serve(blob, delay=0.5)  # a trickle: the prolog is busy downloading
+        cfg = _site(tmp_path, registry=s.host, ca_bundle=tls / "ca.crt")
+        p = subprocess.Popen(
+            [str(VENV_BIN / "tfimage-prolog"), f"--config={cfg}", "--job=7", "--image=x:1"],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(100):
+            if s.b.ranges or any("/blobs/" in path for path, _ in s.b.seen):
+                break
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+    finally:
+        s.httpd.shutdown()
+    assert p.returncode == 0, err
+    lines = _log(tmp_path)
+    assert len(lines) == 1 and "terminated (SIGTERM)" in lines[0], lines
+
+
+def test_a_hostile_image_text_is_logged_on_one_line(tmp_path: Path) -> None:
+    cfg = _site(tmp_path)
+    assert prolog([f"--config={cfg}", "--job=7", "--image=x:1\nFAKE tfimage-prolog: ok"]) == 0
+    lines = _log(tmp_path)
+    assert len(lines) == 1 and "\\nFAKE" in lines[0], lines
+
+
+# --- one deadline: the prolog gives up once, and the steps say why at once ------------
+
+
+def test_a_trickling_registry_ends_the_prolog_at_its_deadline_once(
+    tls: Path, tmp_path: Path, hook_binary: Path
+) -> None:
+    s = Server(tls)
+    (tmp_path / "node").mkdir()
+    try:
+        # A byte every few seconds would do; 64 KiB every second is the same for the
+        # client (each read well inside read_timeout) and the same for the deadline.
+        s.serve(os.urandom(8 << 20), delay=1.0)
+        conf = (
+            f'registry: "{s.host}"\nca_bundle: {tls / "ca.crt"}\n'
+            f"cache_dir: {tmp_path / 'cache'}\nstate_dir: {{run}}\n"
+            f"hook_log: {tmp_path / 'hooks.log'}\nread_timeout: 5\nhook_deadline: 3\n"
+        )
+        with started_daemon(tmp_path / "node", conf) as (run, cfg, _):
+            started = time.monotonic()
+            r = subprocess.run(
+                [
+                    str(hook_binary),
+                    str(run / "daemon.sock"),
+                    "3",
+                    str(VENV_BIN / "tfimage-prolog"),
+                    f"--config={cfg}",
+                    "--job=7",
+                    "--image=x:1",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            took = time.monotonic() - started
+            assert r.returncode == 0, r.stderr
+            assert 3 <= took < 3 + 10, took  # the deadline, not the registry's pace
+            daemon_log = (tmp_path / "node" / "daemon.log").read_text()
+            assert daemon_log.count("tfimage-prolog job 7 -> 0") == 1, daemon_log
+            lines = [line for line in _log(tmp_path) if "job 7" in line]
+            assert len(lines) == 1 and "prolog: gave up after 3 s (hook_deadline)" in lines[0]
+            assert "not run again" not in r.stderr  # the daemon answered in time
+            # The step asks nothing of the registry: it reports the prolog's reason.
+            site = load_config(cfg)
+            asked = len(s.b.seen)
+            t = time.monotonic()
+            with pytest.raises(ImageError, match=r"the prolog could not ready it .* gave up"):
+                _ready(site, "7", "x:1", runtime_for("charliecloud"), None)
+            assert time.monotonic() - t < 1.0 and len(s.b.seen) == asked
+    finally:
+        s.httpd.shutdown()
+
+
+# --- no credential or token in a log, an argv or a job's environment ------------------
+
+
+def test_no_credential_or_token_reaches_a_log_an_argv_or_a_job(
+    token_registry: Registry,
+    token_service: TokenService,
+    make_sif: Callable[[dict[str, str]], Path],
+    tmp_path: Path,
+) -> None:
+    token_registry.client().push_sif("library/secretive", "1", make_sif({"s": "1"}))
+    (tmp_path / "site").mkdir()
+    site = token_registry.write_site(tmp_path / "site")
+    conf = site.read_text().replace(f"state_dir: {tmp_path / 'site' / 'state'}", "state_dir: {run}")
+    conf += f"hook_log: {tmp_path / 'hooks.log'}\n"
+    (tmp_path / "node").mkdir()
+    seen_argv: set[str] = set()
+    stop = threading.Event()
+
+    def watch_argv() -> None:  # every process's command line, while the job runs
+        while not stop.is_set():
+            for p in Path("/proc").iterdir():
+                with contextlib.suppress(OSError):
+                    seen_argv.add((p / "cmdline").read_bytes().decode(errors="replace"))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch_argv, daemon=True)
+    issued = len(token_service.issued)
+    with started_daemon(tmp_path / "node", conf) as (run, cfg, _):
+        watcher.start()
+        try:
+            status, err, _ = ask_daemon(
+                run / "daemon.sock",
+                "tfimage-prolog",
+                f"--config={cfg}",
+                "--job=7",
+                "--image=secretive:1",
+            )
+            assert status == 0, err
+            status, err, out = ask_daemon(
+                run / "daemon.sock",
+                "--config",
+                str(cfg),
+                "step-prepare",
+                "--job=7",
+                "--step=0",
+                "--uid=65534",
+                "--image=secretive:1",
+                "--local-tasks=2",
+                "--layout=SLURM_STEP_NODELIST=n1",
+                "--layout=SLURM_STEP_TASKS_PER_NODE=2",
+                "--layout=SLURM_JOB_ID=7",
+                "--layout=SLURM_STEP_ID=0",
+            )
+            assert status == 0, err
+        finally:
+            stop.set()
+            watcher.join()
+            ask_daemon(run / "daemon.sock", "tfimage-epilog", f"--config={cfg}", "--job=7")
+        daemon_log = (tmp_path / "node" / "daemon.log").read_text()
+    tokens = token_service.issued[issued:]
+    assert tokens  # the pull did go through the token flow
+    job_env = out.decode()  # the argv prefix and every task's variables
+    assert "TF_CONFIG" in job_env
+    hooks_log = (tmp_path / "hooks.log").read_text()
+    assert "job 7: " in hooks_log and "pulled from" in hooks_log
+    for secret in [token_registry.password, *tokens]:
+        for where, text in [
+            ("hooks.log", hooks_log),
+            ("daemon log", daemon_log),
+            ("step-prepare's answer", job_env + err),
+            ("a process's argv", "\n".join(seen_argv)),
+        ]:
+            assert secret not in text, f"a secret in {where}"
