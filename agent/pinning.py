@@ -2,52 +2,31 @@
 runs the same bytes however the tag moves while the job waits.
 
 When the registry does not answer, the last digest this host saw for the tag is used
-(with a warning).  Those are kept per user, in ``~/.cache/tfimage/last-seen.json``,
-since submission runs as the user.
+(with a warning): lastseen.py, in ``~/.cache/tfimage/last-seen.json`` when the user
+pins, in the daemon's ``STATE_DIR/last-seen.json`` when the resolver does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pwd
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tfimage.agent.config import Config
 from tfimage.agent.errors import ReferenceError, RegistryError, RegistryUnreachable
+from tfimage.agent.lastseen import LastSeen
 from tfimage.agent.reference import Reference
 
 if TYPE_CHECKING:
     from tfimage.agent.registry import RegistryClient
 
-MAX_REMEMBERED = 1000
-
 
 def last_seen_file() -> Path:
     home = Path(pwd.getpwuid(os.geteuid()).pw_dir)
     return home / ".cache" / "tfimage" / "last-seen.json"
-
-
-def _load(path: Path) -> dict[str, str]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return {k: v for k, v in data.items() if isinstance(v, str)} if isinstance(data, dict) else {}
-
-
-def _save(path: Path, data: dict[str, str]) -> None:
-    with contextlib.suppress(OSError):  # a read-only home must not block a submission
-        path.parent.mkdir(parents=True, exist_ok=True)
-        keep = dict(list(data.items())[-MAX_REMEMBERED:])
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".last-seen.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(keep, f)
-        os.replace(tmp, path)
 
 
 def _first_answer(
@@ -70,12 +49,14 @@ def pin(
     client_factory: Callable[[str], RegistryClient] | None = None,
     store: Path | None = None,
     job_image: str | None = None,
+    uid: int | None = None,
 ) -> tuple[Reference, str | None]:
     """Return ``ref`` pinned to a digest, and a warning for the user if any.
 
     ``job_image`` is the pinned image of the job this submission runs in (an srun
     inside an sbatch script): the same tag keeps the job's digest, so every step of
-    a job runs the bytes pinned when the job was submitted.
+    a job runs the bytes pinned when the job was submitted.  ``uid``: whose pin this
+    is (the resolver's peer; by default this process's).
     """
     if ref.digest:
         return ref, None
@@ -90,12 +71,13 @@ def pin(
         def client_factory(host: str) -> RegistryClient:
             return client_for(cfg, host, light=True)  # on srun's path: no requests
 
-    store = store or last_seen_file()
+    seen = LastSeen(store or last_seen_file())
+    uid = os.geteuid() if uid is None else uid
     key = str(ref.unpinned)
     try:
         digest = _first_answer(cfg, ref, client_factory)
     except RegistryUnreachable as e:
-        known = _load(store).get(key)
+        known = seen.recall(key, uid)
         if not known:
             raise RegistryError(
                 f"cannot pin {key}: {e}, and this host has never seen that tag"
@@ -103,8 +85,5 @@ def pin(
         return ref.pinned(known), (
             f"warning: {e}; using the last digest this host saw for {key}: {known}"
         )
-    seen = _load(store)
-    seen.pop(key, None)
-    seen[key] = digest
-    _save(store, seen)
+    seen.remember(key, digest, uid)
     return ref.pinned(digest), None

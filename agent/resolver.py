@@ -18,7 +18,9 @@ peer), bounded in size, parsed by the same strict parsers as everywhere.  The
 pin uses this host's credentials: it reveals only the digest a tag names now,
 which the same user learns by submitting a job, since the nodes pull with the
 same credentials.  What this host saw last for a tag is kept in
-``STATE_DIR/last-seen.json`` (until reboot) for when the registry is down.
+``STATE_DIR/last-seen.json`` (until reboot) for when the registry is down, per user
+and bounded (lastseen.py): one user pinning a thousand tags pushes out only their
+own.
 
 Answers: 0 and the pinned reference; 2 when the reference or mounts are wrong
 (final: the user's input is wrong whoever checks it); 75 for anything else (the
@@ -69,7 +71,7 @@ def last_seen_store(cfg: Config) -> Path:
     return Path(cfg.state_dir) / "last-seen.json"
 
 
-def answer(cfg: Config, req: ResolveRequest) -> tuple[int, str, str]:
+def answer(cfg: Config, req: ResolveRequest, uid: int) -> tuple[int, str, str]:
     """(status, stdout, stderr) for the plugin: see the module's docstring."""
     from tfimage.agent.binds import parse_mounts
     from tfimage.agent.pinning import pin
@@ -80,7 +82,9 @@ def answer(cfg: Config, req: ResolveRequest) -> tuple[int, str, str]:
     except ReferenceError as e:
         return 2, "", f"tfimage: {e}\n"
     try:
-        pinned, warning = pin(cfg, ref, store=last_seen_store(cfg), job_image=req.job_image or None)
+        pinned, warning = pin(
+            cfg, ref, store=last_seen_store(cfg), job_image=req.job_image or None, uid=uid
+        )
     except TfimageError as e:
         return RETRY_YOURSELF, "", f"tfimage: {e}\n"
     return 0, f"{pinned}\n", f"tfimage: {warning}\n" if warning else ""

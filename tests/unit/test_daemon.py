@@ -2,78 +2,31 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import socket
-import struct
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from support import Registry
-from tfimage.agent.daemon import MAX_RESOLVERS
+from support import Registry, ask_daemon, started_daemon
+from tfimage.agent.daemon import MAX_RESOLVERS_PER_UID
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the daemon runs as root: run as root")
-
-
-def _ask(path: Path, *args: str) -> tuple[int, str, bytes]:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(20)
-        s.connect(str(path))
-        s.sendall(b"TFI1\0" + b"".join(a.encode() + b"\0" for a in args))
-        s.shutdown(socket.SHUT_WR)
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    status, elen = struct.unpack(">iI", data[:8])
-    return status, data[8 : 8 + elen].decode(), data[8 + elen :]
-
-
-@contextlib.contextmanager
-def _started(tmp_path: Path, config: str) -> Iterator[tuple[Path, Path, subprocess.Popen[bytes]]]:
-    """A daemon on a config (``{run}``: its state dir); yields its run dir, the config
-    and the process."""
-    # Under /run, not pytest's 0700 tmp: another uid must be able to reach the socket.
-    run = Path(f"/run/tfimage-test-{os.getpid()}-{tmp_path.name}")
-    run.mkdir()
-    run.chmod(0o755)  # root-owned, searchable: what a node's /run/tfimage is
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(config.replace("{run}", str(run)))
-    log = tmp_path / "daemon.log"
-    p = subprocess.Popen(
-        [sys.executable, "-m", "tfimage.agent.cli", "--config", str(cfg), "daemon"],
-        stderr=log.open("w"),
-    )
-    for _ in range(100):
-        if "resolving on" in log.read_text():
-            break
-        time.sleep(0.05)
-    try:
-        assert (run / "resolve.sock").exists(), log.read_text()
-        assert (run / "daemon.sock").stat().st_mode & 0o777 == 0o600
-        assert (run / "resolve.sock").stat().st_mode & 0o777 == 0o666
-        yield run, cfg, p
-    finally:
-        p.kill()
-        p.wait()
-        shutil.rmtree(run, ignore_errors=True)
 
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     conf = f"registry: r.example\nstate_dir: {{run}}\ncache_dir: {tmp_path / 'cache'}\n"
-    with _started(tmp_path, conf) as (run, cfg, _):
+    with started_daemon(tmp_path, conf) as (run, cfg, _):
         yield run / "daemon.sock", cfg
 
 
 def test_step_prepare_answers_with_status_and_the_reason(daemon: tuple[Path, Path]) -> None:
     sock, cfg = daemon
-    status, err, out = _ask(
+    status, err, out = ask_daemon(
         sock,
         "--config",
         str(cfg),
@@ -95,9 +48,9 @@ def test_step_prepare_answers_with_status_and_the_reason(daemon: tuple[Path, Pat
 
 def test_only_step_prepare_is_served(daemon: tuple[Path, Path]) -> None:
     sock, cfg = daemon
-    status, err, _ = _ask(sock, "--config", str(cfg), "push", "/etc/passwd", "x:1")
+    status, err, _ = ask_daemon(sock, "--config", str(cfg), "push", "/etc/passwd", "x:1")
     assert status == 70 and "command 'push' is not served" in err
-    status, err, _ = _ask(sock, "--config", str(cfg), "doctor")
+    status, err, _ = ask_daemon(sock, "--config", str(cfg), "doctor")
     assert status == 70 and "not served" in err
 
 
@@ -154,7 +107,7 @@ def resolving(
     conf = "\n".join(
         "state_dir: {run}" if line.startswith("state_dir:") else line for line in site.splitlines()
     )
-    with _started(tmp_path, conf + "\n") as (run, _, _):
+    with started_daemon(tmp_path, conf + "\n") as (run, _, _):
         yield run / "resolve.sock", digest
 
 
@@ -193,33 +146,102 @@ def test_the_resolver_serves_nothing_else(resolving: tuple[Path, str], tmp_path:
     assert "resolve uid 65534 -> 75" in (tmp_path / "daemon.log").read_text()
 
 
-def test_a_flood_of_users_is_answered_busy(resolving: tuple[Path, str]) -> None:
+FLOOD = """
+import socket, struct, sys, time
+conns = []
+for _ in range(16):
+    c = socket.socket(socket.AF_UNIX)
+    c.connect(sys.argv[1])
+    c.sendall(b"T")
+    conns.append(c)
+print("connected", flush=True)
+end = time.monotonic() + 4
+while time.monotonic() < end:  # a byte every 0.5 s, never the whole request
+    for c in conns:
+        try:
+            c.send(b"F", socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+    time.sleep(0.5)
+for c in conns:
+    c.settimeout(2)
+    data = b""
+    try:
+        while chunk := c.recv(4096):
+            data += chunk
+    except OSError:
+        pass
+    status, n = struct.unpack(">iI", data[:8]) if len(data) >= 8 else (-1, 0)
+    print(status, data[8:8 + n].decode().strip())
+"""
+
+
+def test_one_users_flood_leaves_the_resolver_to_everyone_else(
+    resolving: tuple[Path, str],
+) -> None:
+    sock, _ = resolving
+    flood = subprocess.Popen(
+        ["/usr/bin/python3", "-c", FLOOD, str(sock)],
+        user=65534,
+        group=65534,
+        extra_groups=[],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert flood.stdout is not None
+        assert flood.stdout.readline().strip() == "connected"
+        time.sleep(0.3)  # let the daemon take them all
+        # Another user (root here) is answered at once, not told "busy".
+        t = time.monotonic()
+        status, err, _ = ask_daemon(
+            sock, "submit-check", "--mounts", "", "--job-image", "", "--", "B A D"
+        )
+        assert status == 2 and "invalid image reference" in err, err
+        assert time.monotonic() - t < 1.0
+        answers = flood.stdout.read().splitlines()
+    finally:
+        flood.kill()
+        flood.wait()
+    # The flooder held MAX_RESOLVERS_PER_UID workers, each dropped when its request
+    # was not whole within RESOLVE_READ (however often bytes came); the rest: busy.
+    dropped = [a for a in answers if "not complete within 2 s" in a]
+    busy = [a for a in answers if a.endswith("busy")]
+    assert (len(dropped), len(busy)) == (MAX_RESOLVERS_PER_UID, 16 - MAX_RESOLVERS_PER_UID)
+    assert all(a.startswith("75 ") for a in answers), answers
+
+
+def test_the_resolver_is_never_fuller_than_its_slots(resolving: tuple[Path, str]) -> None:
     sock, _ = resolving
     # Connections that never finish their request each hold a worker (for up to 2 s);
-    # once MAX_RESOLVERS are held, the next one is told "busy" at once, without a fork.
+    # past a user's share, the next one is told "busy" at once, without a fork.
     held = []
     try:
-        for _ in range(MAX_RESOLVERS):
+        for _ in range(MAX_RESOLVERS_PER_UID):
             c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             c.connect(str(sock))
             c.sendall(b"TFI1\0")
             held.append(c)
         time.sleep(0.3)  # let the daemon accept them all
         t = time.monotonic()
-        status, err, _ = _ask(sock, "submit-check", "--mounts", "", "--job-image", "", "--", "x")
+        status, err, _ = ask_daemon(
+            sock, "submit-check", "--mounts", "", "--job-image", "", "--", "x"
+        )
         assert status == 75 and "busy" in err
         assert time.monotonic() - t < 1.0
     finally:
         for c in held:
             c.close()
     time.sleep(2.5)  # the held workers gave up; a request is served again
-    status, err, _ = _ask(sock, "submit-check", "--mounts", "", "--job-image", "", "--", "B A D")
+    status, err, _ = ask_daemon(
+        sock, "submit-check", "--mounts", "", "--job-image", "", "--", "B A D"
+    )
     assert status == 2, err
 
 
 def test_sigterm_stops_it_cleanly_leaving_no_socket(tmp_path: Path) -> None:
     conf = f"registry: r.example\nstate_dir: {{run}}\ncache_dir: {tmp_path / 'cache'}\n"
-    with _started(tmp_path, conf) as (run, _, proc):
+    with started_daemon(tmp_path, conf) as (run, _, proc):
         proc.terminate()  # systemctl stop
         assert proc.wait(10) == 0
         assert list(run.iterdir()) == []  # clients find no socket, not a dead one

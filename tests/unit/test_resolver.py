@@ -11,6 +11,7 @@ import pytest
 
 from support import Registry
 from tfimage.agent.config import load_config
+from tfimage.agent.lastseen import PER_UID, LastSeen
 from tfimage.agent.resolver import (
     RETRY_YOURSELF,
     RequestError,
@@ -56,19 +57,19 @@ def test_answers_against_a_real_registry(
     cfg = load_config(registry.write_site(tmp_path))
     (tmp_path / "state").mkdir()
 
-    status, out, err = answer(cfg, ResolveRequest("resolveme:1", "", ""))
+    status, out, err = answer(cfg, ResolveRequest("resolveme:1", "", ""), 1000)
     assert (status, err) == (0, "")
     assert out == f"{registry.host}/library/resolveme:1@{digest}\n"
     # What this host saw is kept in its state dir (not root's home), for a registry outage.
     assert digest in (tmp_path / "state" / "last-seen.json").read_text()
 
-    status, out, err = answer(cfg, ResolveRequest("Bad Name:1", "", ""))
+    status, out, err = answer(cfg, ResolveRequest("Bad Name:1", "", ""), 1000)
     assert status == 2 and out == "" and err.startswith("tfimage: ") and err.count("\n") == 1
-    status, _, err = answer(cfg, ResolveRequest("resolveme:1", "/etc:/x", ""))
+    status, _, err = answer(cfg, ResolveRequest("resolveme:1", "/etc:/x", ""), 1000)
     assert status == 2 and "--tf-mount" in err
 
     # Not there for this host: the plugin asks again as the user (who may see more).
-    status, out, err = answer(cfg, ResolveRequest("nosuchimage:1", "", ""))
+    status, out, err = answer(cfg, ResolveRequest("nosuchimage:1", "", ""), 1000)
     assert status == RETRY_YOURSELF and out == "" and "nosuchimage" in err
 
 
@@ -79,12 +80,37 @@ def test_registry_down_uses_what_this_host_saw(registry: Registry, tmp_path: Pat
     dead.write_text(site.read_text().replace(registry.host, "127.0.0.1:1"))
     cfg = load_config(dead)
     (tmp_path / "state").mkdir()
-    status, _, err = answer(cfg, ResolveRequest("seen:1", "", ""))
+    status, _, err = answer(cfg, ResolveRequest("seen:1", "", ""), 1000)
     assert status == RETRY_YOURSELF and "never seen that tag" in err
     digest = "sha256:" + "c" * 64
-    (tmp_path / "state" / "last-seen.json").write_text(
-        f'{{"127.0.0.1:1/library/seen:1": "{digest}"}}'
+    # Another user pinned it while the registry was up: a digest is the registry's
+    # answer, as good for this user as for that one.
+    LastSeen(tmp_path / "state" / "last-seen.json").remember(
+        "127.0.0.1:1/library/seen:1", digest, 1001
     )
-    status, out, err = answer(cfg, ResolveRequest("seen:1", "", ""))
+    status, out, err = answer(cfg, ResolveRequest("seen:1", "", ""), 1000)
     assert status == 0 and out.strip().endswith("@" + digest)
     assert "warning" in err and "last digest this host saw" in err
+
+
+def test_one_user_pinning_a_thousand_tags_pushes_out_only_their_own(tmp_path: Path) -> None:
+    seen = LastSeen(tmp_path / "last-seen.json")
+    theirs = "sha256:" + "a" * 64
+    seen.remember("reg/library/shared:1", theirs, 1002)
+    for i in range(1000):
+        seen.remember(f"reg/library/flood:{i}", "sha256:" + f"{i:064x}", 1001)
+    assert seen.recall("reg/library/shared:1", 1002) == theirs  # still there
+    assert seen.recall("reg/library/shared:1", 1001) == theirs  # and for anyone
+    assert seen.recall("reg/library/flood:999", 1001) == "sha256:" + f"{999:064x}"
+    assert seen.recall("reg/library/flood:0", 1001) is None  # the flooder's oldest went
+    kept = [i for i in range(1000) if seen.recall(f"reg/library/flood:{i}", 1001)]
+    assert kept == list(range(1000 - PER_UID, 1000))
+
+
+def test_a_users_own_last_seen_digest_wins_over_anothers(tmp_path: Path) -> None:
+    seen = LastSeen(tmp_path / "last-seen.json")
+    mine, newer = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+    seen.remember("reg/library/x:1", mine, 1001)
+    seen.remember("reg/library/x:1", newer, 1002)
+    assert seen.recall("reg/library/x:1", 1001) == mine
+    assert seen.recall("reg/library/x:1", 1003) == newer  # the newest anyone saw
