@@ -91,6 +91,7 @@ def client_for(cfg: Config, host: str, *, light: bool = False) -> RegistryClient
         connect_timeout=cfg.connect_timeout,
         read_timeout=cfg.read_timeout,
         transport=transport,
+        token_realms=cfg.token_realms,
     )
 
 

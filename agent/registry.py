@@ -25,7 +25,14 @@ from tfimage.agent.errors import (
     RegistryUnreachable,
     VerificationError,
 )
-from tfimage.agent.transport import Response, TLSError, Transport, TransportError
+from tfimage.agent.logtext import oneline
+from tfimage.agent.transport import (
+    RedirectRefused,
+    Response,
+    TLSError,
+    Transport,
+    TransportError,
+)
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -43,6 +50,8 @@ MAX_MANIFEST = 4 << 20
 CHUNK = 1 << 20
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 _CHALLENGE = re.compile(r'(\w+)="([^"]*)"')
+# What a token may be: it goes into a header line, so nothing that could end one.
+_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{1,16384}\Z")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +127,7 @@ class RegistryClient:
         transport: Transport | None = None,
         scheme: str = "https",
         sleep: Callable[[float], None] = time.sleep,
+        token_realms: tuple[str, ...] = (),
     ) -> None:
         self.host = host
         self.credential = credential
@@ -134,6 +144,9 @@ class RegistryClient:
         self._tokens: dict[str, str] = {}
         self._basic = False
         self._sleep = sleep
+        # Token services the credentials may go to, by host name: this registry's
+        # own host, and those the admin allowed (config token_realms).
+        self._realms = {urllib.parse.urlsplit(f"//{host}").hostname or host, *token_realms}
 
     # -- transport ---------------------------------------------------------------
 
@@ -160,6 +173,8 @@ class RegistryClient:
                 )
             except TLSError as e:
                 raise RegistryError(f"{self.host}: TLS verification failed: {_short(e)}") from None
+            except RedirectRefused as e:
+                raise RegistryError(f"{self.host}: {_short(e)}") from None
             except TransportError as e:
                 attempt += 1
                 if attempt >= self._attempts:
@@ -209,6 +224,15 @@ class RegistryClient:
         realm = params.get("realm")
         if not realm or not realm.startswith("https://"):
             raise RegistryError(f"{self.host}: bearer realm must be https")
+        realm_host = urllib.parse.urlsplit(realm).hostname or ""
+        if self._cred and realm_host not in self._realms:
+            # The password goes to the registry's own host, or a token service the
+            # admin named; a registry's answer never sends it elsewhere.
+            raise RegistryError(
+                f"{self.host}: its token service is on another host "
+                f"({oneline(realm_host, 80)}); not sending it the credentials "
+                "(an admin may allow it: token_realms in the config)"
+            )
         query = {"service": params.get("service", ""), "scope": params.get("scope", scope)}
         auth = (self._cred.username, self._cred.password) if self._cred else None
         sep = "&" if "?" in realm else "?"
@@ -224,15 +248,20 @@ class RegistryClient:
                 if tok.status_code != 200:
                     raise RegistryError(f"{self.host}: token service refused ({tok.status_code})")
                 raw = _read_capped(tok, 1 << 20, "token")
+        except RedirectRefused as e:
+            raise RegistryError(f"{self.host}: token service: {_short(e)}") from None
         except TransportError as e:
             raise RegistryError(f"{self.host}: token service unreachable: {_short(e)}") from None
         except VerificationError:
             raise RegistryError(f"{self.host}: token service sent too much") from None
         try:
             body = json.loads(raw)
-            self._tokens[scope] = body.get("token") or body["access_token"]
+            token = body.get("token") or body["access_token"]
         except (ValueError, KeyError, AttributeError):
             raise RegistryError(f"{self.host}: token service sent no token") from None
+        if not isinstance(token, str) or not _TOKEN.match(token):
+            raise RegistryError(f"{self.host}: token service sent an unusable token")
+        self._tokens[scope] = token
 
     # -- reading -----------------------------------------------------------------
 

@@ -33,6 +33,29 @@ class TLSError(TransportError):
     """The peer's certificate was not accepted."""
 
 
+class RedirectRefused(TransportError):  # noqa: N818 - it names what happened
+    """A redirect tfimage does not follow: from https to anything else."""
+
+
+MAX_REDIRECTS = 5
+
+
+def redirect(current: str, location: str) -> tuple[str, bool]:
+    """Where a redirect from ``current`` to ``location`` leads, and whether the
+    request's credentials may go along: only to the same scheme and host[:port].
+    From https, only https is followed (:class:`RedirectRefused`): a registry's
+    answer must not send a pull, or a password, over plain HTTP."""
+    if not location:
+        raise TransportError("a redirect without a Location")
+    if any(c <= " " or c == "\x7f" for c in location):
+        raise RedirectRefused("refused a redirect to a URL with spaces or control characters")
+    target = urllib.parse.urljoin(current, location)
+    cur, new = urllib.parse.urlsplit(current), urllib.parse.urlsplit(target)
+    if new.scheme not in ("http", "https") or (cur.scheme == "https" and new.scheme != "https"):
+        raise RedirectRefused(f"refused a redirect from {cur.scheme} to {new.scheme or '?'}")
+    return target, (new.scheme, new.netloc) == (cur.scheme, cur.netloc)
+
+
 class Headers(Protocol):
     """Case-insensitive response headers (requests' dict or http.client's message)."""
 
@@ -141,7 +164,7 @@ _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 class StdlibTransport:
     """``http.client`` with one kept-alive connection per host; follows redirects
-    (at most 5), dropping credentials when the host changes, as requests does."""
+    (at most 5) as :func:`redirect` allows, credentials only to the same host."""
 
     def __init__(self) -> None:
         self._conns: dict[tuple[str, str, str | bool], http.client.HTTPConnection] = {}
@@ -174,14 +197,11 @@ class StdlibTransport:
         verify: str | bool,
         data: Body = None,
     ) -> Response:
-        origin = urllib.parse.urlsplit(url).netloc
         hdrs = dict(headers)
         if auth and "Authorization" not in hdrs:
             hdrs["Authorization"] = basic_auth(auth)
-        for _ in range(6):
+        for _ in range(MAX_REDIRECTS + 1):
             parts = urllib.parse.urlsplit(url)
-            if parts.netloc != origin:
-                hdrs.pop("Authorization", None)
             path = parts.path + (f"?{parts.query}" if parts.query else "")
             conn = self._conn(parts.scheme, parts.netloc, timeout, verify)
             try:
@@ -204,9 +224,9 @@ class StdlibTransport:
                 location = resp.getheader("Location", "")
                 resp.read()
                 resp.close()
-                if not location:
-                    raise TransportError(f"redirect {resp.status} without a Location")
-                url = urllib.parse.urljoin(url, location)
+                url, same = redirect(url, location)
+                if not same:  # never un-done: a later hop back gets none either
+                    hdrs.pop("Authorization", None)
                 continue
             if method == "HEAD":
                 resp.read()
@@ -279,23 +299,34 @@ class RequestsTransport:
     ) -> Response:
         import requests
 
-        try:
-            resp = self._session.request(
-                method,
-                url,
-                headers={"Accept-Encoding": "identity", **headers},
-                auth=auth,
-                timeout=timeout,
-                verify=verify,
-                allow_redirects=True,
-                stream=True,
-                data=data,
-            )
-        except requests.exceptions.SSLError as e:
-            raise TLSError(_first_line(e)) from None
-        except requests.RequestException as e:  # connection, timeout and the rest
-            raise TransportError(_first_line(e)) from None
-        return _RequestsResponse(resp)
+        hdrs = {"Accept-Encoding": "identity", **headers}
+        for _ in range(MAX_REDIRECTS + 1):
+            try:
+                resp = self._session.request(
+                    method,
+                    url,
+                    headers=hdrs,
+                    auth=auth,
+                    timeout=timeout,
+                    verify=verify,
+                    allow_redirects=False,  # followed here, by redirect()'s rules
+                    stream=True,
+                    data=data,
+                )
+            except requests.exceptions.SSLError as e:
+                raise TLSError(_first_line(e)) from None
+            except requests.RequestException as e:  # connection, timeout and the rest
+                raise TransportError(_first_line(e)) from None
+            if resp.status_code in _REDIRECTS and method in ("GET", "HEAD"):
+                location = resp.headers.get("Location", "")
+                resp.close()
+                url, same = redirect(url, location)
+                if not same:
+                    auth = None
+                    hdrs.pop("Authorization", None)
+                continue
+            return _RequestsResponse(resp)
+        raise TransportError("too many redirects")
 
 
 def _first_line(e: BaseException) -> str:

@@ -87,7 +87,11 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "-out",
         str(d / "srv.csr"),
     )
-    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    # localhost too: the same server under another host name, for what must not
+    # follow a request to another host (credentials, tokens).
+    (d / "ext.cnf").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n"
+    )
     openssl(
         "x509",
         "-req",

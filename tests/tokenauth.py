@@ -69,6 +69,7 @@ class TokenService:
         self.username, self.password, self.project = username, password, project
         self.scopes: list[str] = []  # every scope asked for, in order ("" for none)
         self.refused = 0  # requests with wrong or no credentials
+        self.issued: list[str] = []  # every token handed out
         self.lifetime = 300  # seconds a token is good for, leeway aside
         self.short_lived = 0  # this many next tokens expire within 5 s
         self._lock = threading.Lock()
@@ -127,7 +128,10 @@ class TokenService:
             if kind == "repository" and name.startswith(self.project + "/"):
                 granted = [a for a in actions.split(",") if a in ("pull", "push")]
                 access.append({"type": kind, "name": name, "actions": granted})
-        body = json.dumps({"token": self._sign(user, access, short), "expires_in": self.lifetime})
+        token = self._sign(user, access, short)
+        with self._lock:
+            self.issued.append(token)
+        body = json.dumps({"token": token, "expires_in": self.lifetime})
         data = body.encode()
         req.send_response(200)
         req.send_header("Content-Type", "application/json")

@@ -6,147 +6,28 @@ cache consistent; an interrupted download resumes with a Range request.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
 import signal
-import ssl
+import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote
+from typing import Any
 
 import pytest
+from hostile import SIF_LAYER, Server, digest_of
 
 from support import at_once
 from tfimage.agent.cache import ImageCache, client_for
 from tfimage.agent.config import load_config
-from tfimage.agent.errors import CacheError, RegistryUnreachable, VerificationError
-
-SIF_CONFIG = "application/vnd.sylabs.sif.config.v1+json"
-SIF_LAYER = "application/vnd.sylabs.sif.layer.v1.sif"
-OCI = "application/vnd.oci.image.manifest.v1+json"
-
-
-def digest_of(b: bytes) -> str:
-    return "sha256:" + hashlib.sha256(b).hexdigest()
-
-
-@dataclass
-class Behaviour:
-    manifest: bytes = b""
-    blob: bytes = b""
-    content_length: int | None = None  # claim this many bytes, send the blob
-    cut_after: int | None = None  # close the connection at this byte of the blob...
-    cuts: int = 1  # ... this many times
-    delay: float = 0.0  # seconds between 64 KiB pieces
-    ranges: list[str] = field(default_factory=list)
-    ignore_range: bool = False  # answer 200 with the whole blob, as some servers do
-    busy: int = 0  # answer 429 to this many manifest requests first
-    bearer: bool = False  # Harbor's token flow; each token is good for one request
-    tokens: list[str] = field(default_factory=list)  # scopes asked for, in order
-    manifest_requests: int = 0
-
-
-class Server:
-    def __init__(self, tls: Path) -> None:
-        self.b = Behaviour()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                b = outer.b
-                if self.path.startswith("/service/token"):
-                    scope = self.path.split("scope=", 1)[1].split("&")[0]
-                    b.tokens.append(unquote(scope))
-                    body = json.dumps({"token": f"t{len(b.tokens)}"}).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                    return
-                if b.bearer and self.headers.get("Authorization") != f"Bearer t{len(b.tokens)}":
-                    realm = f"https://{outer.host}/service/token"
-                    self.send_response(401)
-                    self.send_header(
-                        "WWW-Authenticate", f'Bearer realm="{realm}",service="harbor-registry"'
-                    )
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                if b.bearer:
-                    b.tokens.append("expired")  # the token just used is now stale
-                if "/manifests/" in self.path:
-                    b.manifest_requests += 1
-                    if b.busy:
-                        b.busy -= 1
-                        self.send_response(429)
-                        self.send_header("Retry-After", "0")
-                        self.send_header("Content-Length", "0")
-                        self.end_headers()
-                        return
-                    self.send_response(200)
-                    self.send_header("Content-Type", OCI)
-                    self.send_header("Content-Length", str(len(b.manifest)))
-                    self.end_headers()
-                    self.wfile.write(b.manifest)
-                    return
-                start, end = 0, len(b.blob)
-                rng = self.headers.get("Range")
-                if rng:
-                    b.ranges.append(rng)
-                if rng and not b.ignore_range:
-                    first, _, last = rng.removeprefix("bytes=").partition("-")
-                    start, end = int(first), int(last) + 1 if last else len(b.blob)
-                body = b.blob[start:end]
-                self.send_response(206 if rng and not b.ignore_range else 200)
-                self.send_header("Content-Length", str(b.content_length or len(body)))
-                if rng and not b.ignore_range:
-                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(b.blob)}")
-                self.end_headers()
-                sent = 0
-                for i in range(0, len(body), 65536):
-                    piece = body[i : i + 65536]
-                    at = start + sent
-                    if b.cut_after is not None and at <= b.cut_after < at + len(piece):
-                        self.wfile.write(piece[: b.cut_after - at])
-                        b.cuts -= 1
-                        if not b.cuts:
-                            b.cut_after = None
-                        self.close_connection = True
-                        return
-                    self.wfile.write(piece)
-                    sent += len(piece)
-                    if b.delay:
-                        time.sleep(b.delay)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(tls / "srv.crt", tls / "srv.key")
-        self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
-        self.host = f"127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def serve(
-        self, blob: bytes, layers: list[dict[str, object]] | None = None, **kw: object
-    ) -> None:
-        layers = layers or [{"mediaType": SIF_LAYER, "digest": digest_of(blob), "size": len(blob)}]
-        manifest = {
-            "schemaVersion": 2,
-            "mediaType": OCI,
-            "config": {"mediaType": SIF_CONFIG, "digest": digest_of(b"{}"), "size": 2},
-            "layers": layers,
-        }
-        self.b = Behaviour(json.dumps(manifest).encode(), blob, **kw)  # type: ignore[arg-type]
+from tfimage.agent.credentials import Credential
+from tfimage.agent.errors import CacheError, RegistryError, RegistryUnreachable, VerificationError
+from tfimage.agent.registry import RegistryClient
+from tfimage.agent.transport import RequestsTransport, StdlibTransport
 
 
 @pytest.fixture
@@ -545,3 +426,84 @@ def test_a_pinned_ensure_that_waited_for_the_download_never_loads_the_registry_c
     # A hit, and neither the registry client nor hashlib (OpenSSL's start) loaded.
     assert json.loads(out) == [True, False, False]
     assert server.b.manifest_requests == 0
+
+
+# --- credentials go to the registry's host, and to no one else ------------------------
+
+CRED = Credential("robot$library+test", "the-password")
+
+
+@pytest.fixture(params=["requests", "stdlib"])
+def client_on(request: pytest.FixtureRequest, tls: Path) -> Callable[..., RegistryClient]:
+    """A client with credentials for the server, through each transport in turn."""
+
+    def make(s: Server, **kw: Any) -> RegistryClient:
+        transport = StdlibTransport() if request.param == "stdlib" else RequestsTransport()
+        return RegistryClient(
+            s.host, CRED, ca_bundle=str(tls / "ca.crt"), transport=transport, attempts=1, **kw
+        )
+
+    return make
+
+
+def test_a_token_service_on_another_host_gets_no_credentials(
+    server: Server, client_on: Callable[..., RegistryClient]
+) -> None:
+    server.serve(b"x", bearer=True, realm_host=server.host.replace("127.0.0.1", "localhost"))
+    with pytest.raises(RegistryError, match=r"token service is on another host \(localhost\)"):
+        client_on(server).manifest("library/x", "1")
+    assert not [p for p, _ in server.b.seen if p.startswith("/service/token")]
+    # The admin may name it: then the token flow works, credentials and all.
+    server.serve(b"x", bearer=True, realm_host=server.host.replace("127.0.0.1", "localhost"))
+    client_on(server, token_realms=("localhost",)).manifest("library/x", "1")
+    sent = [a for p, a in server.b.seen if p.startswith("/service/token")]
+    assert sent and sent[0].startswith("Basic ")
+
+
+def test_a_token_that_could_end_a_header_line_is_refused(
+    server: Server, client_on: Callable[..., RegistryClient]
+) -> None:
+    server.serve(b"x", bearer=True, token_text="abc\r\nX-Injected: 1")
+    with pytest.raises(RegistryError, match="token service sent an unusable token"):
+        client_on(server).manifest("library/x", "1")
+
+
+def test_a_redirect_from_https_to_http_is_refused(
+    server: Server, client_on: Callable[..., RegistryClient], make_sif: Callable[..., Path]
+) -> None:
+    plain = socket.socket()
+    plain.bind(("127.0.0.1", 0))
+    plain.listen(1)
+    plain.settimeout(0.5)
+    try:
+        blob = a_sif(make_sif)
+        location = f"http://127.0.0.1:{plain.getsockname()[1]}/blob"
+        server.serve(blob, basic=True, redirect_blob=location)
+        client = client_on(server)
+        with pytest.raises(RegistryError, match="refused a redirect from https to http"):
+            client.open_blob("library/x", digest_of(blob), 0, len(blob), len(blob), whole_ok=True)
+        with pytest.raises(TimeoutError):
+            plain.accept()  # nothing ever came to the plain-HTTP listener
+    finally:
+        plain.close()
+
+
+def test_credentials_do_not_follow_a_redirect_to_another_host(
+    server: Server, client_on: Callable[..., RegistryClient], make_sif: Callable[..., Path]
+) -> None:
+    blob = a_sif(make_sif)
+    other = server.host.replace("127.0.0.1", "localhost")
+    server.serve(blob, basic=True, redirect_blob=f"https://{other}/redirected/blob")
+    client = client_on(server)
+    with client.open_blob(
+        "library/x", digest_of(blob), 0, len(blob), len(blob), whole_ok=True
+    ) as body:
+        buf = bytearray(len(blob))
+        got = 0
+        while got < len(blob) and (n := body.readinto(memoryview(buf)[got:])):
+            got += n
+    assert bytes(buf) == blob  # the redirect was followed...
+    seen = dict(server.b.seen)
+    assert seen["/redirected/blob"] == ""  # ...without the password
+    blob_gets = [a for p, a in server.b.seen if "/blobs/" in p]
+    assert blob_gets and blob_gets[-1].startswith("Basic ")  # which the registry did get
