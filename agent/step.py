@@ -195,7 +195,7 @@ def plan_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) ->
     if req.uid == 0:
         raise RuntimeSetupError("refusing to run a container task as root")
     env = step_env(cfg, req)  # layout errors first: they are the user's to fix
-    user_binds = parse_mounts(req.tf_mount, cfg.mount_prefixes)
+    user_binds = _resolved(cfg, req.uid, parse_mounts(req.tf_mount, cfg.mount_prefixes))
     runtime = runtime_for(cfg.runtime, cfg.runtime_path)
     argv = _step_argv(cfg, req, runtime, user_binds, cache)
     if runtime.name == "charliecloud":
@@ -207,6 +207,25 @@ def plan_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) ->
         for task in env.values():
             task.setdefault("USER", user)
     return StepPlan(argv, env, [b.src for b in user_binds])
+
+
+def _resolved(cfg: Config, uid: int, binds: list[Bind]) -> list[Bind]:
+    """The ``--tf-mount`` binds with their sources resolved as the user (userpath.py)
+    and checked against the prefixes again: a link must not lead outside them.  A
+    source the user cannot resolve is kept as given: each task checks it as the user
+    and reports it (spank/node.c)."""
+    out = []
+    for b, real in zip(binds, realpaths_as(uid, [b.src for b in binds]), strict=True):
+        if real is None:
+            out.append(b)
+            continue
+        if not any(under(real, p) for p in cfg.mount_prefixes):
+            raise MountError(
+                f"--tf-mount {b.src}: it leads to {oneline(real)}, outside the allowed "
+                f"prefixes ({', '.join(cfg.mount_prefixes)})"
+            )
+        out.append(Bind(real, b.dst, b.read_only))
+    return out
 
 
 def _step_argv(

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from support import build_sif
+
 REPO = Path(__file__).resolve().parents[2]
 ENV_FILE = REPO / "build" / "cluster.env"
 
@@ -167,3 +169,31 @@ def write_script(d: Path, name: str, text: str, user: str) -> Path:
     pw = pwd.getpwnam(user)
     os.chown(p, pw.pw_uid, pw.pw_gid)
     return p
+
+
+def busybox_sif(d: Path, marker: str) -> Path:
+    """A real SIF with busybox and a marker, like tiny:1.0 but ours to re-tag."""
+    root = d / f"root-{marker}"
+    (root / "bin").mkdir(parents=True)
+    shutil.copy("/bin/busybox", root / "bin" / "busybox")
+    for app in ("sh", "cat"):
+        (root / "bin" / app).symlink_to("busybox")
+    for sub in ("etc", "home", "proc", "sys", "dev", "tmp"):
+        (root / sub).mkdir(exist_ok=True)
+    (root / "etc" / "hosts").write_text("")
+    (root / "etc" / "resolv.conf").write_text("")
+    (root / "etc" / "tfimage-test-image").write_text(marker + "\n")
+    return build_sif(root, d / f"{marker}.sif")
+
+
+def push(cluster: Cluster, sif: Path, ref: str) -> str:
+    """Push from the machine itself (as an admin would), whatever Slurm flavor is up."""
+    r = subprocess.run(
+        ["/opt/tfimage/bin/tfimage", "push", str(sif), ref],
+        env={**cluster.env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().rsplit("@", 1)[1]

@@ -5,45 +5,16 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import Cluster, write_script
+from conftest import Cluster, busybox_sif, push, write_script
 
-from support import Registry, build_sif, push_oci_image
+from support import Registry, push_oci_image
 
 pytestmark = pytest.mark.cluster
-
-
-def busybox_sif(d: Path, marker: str) -> Path:
-    """A real SIF with busybox and a marker, like tiny:1.0 but ours to re-tag."""
-    root = d / f"root-{marker}"
-    (root / "bin").mkdir(parents=True)
-    shutil.copy("/bin/busybox", root / "bin" / "busybox")
-    for app in ("sh", "cat"):
-        (root / "bin" / app).symlink_to("busybox")
-    for sub in ("etc", "home", "proc", "sys", "dev", "tmp"):
-        (root / sub).mkdir(exist_ok=True)
-    (root / "etc" / "hosts").write_text("")
-    (root / "etc" / "resolv.conf").write_text("")
-    (root / "etc" / "tfimage-test-image").write_text(marker + "\n")
-    return build_sif(root, d / f"{marker}.sif")
-
-
-def push(cluster: Cluster, sif: Path, ref: str) -> str:
-    """Push from the machine itself (as an admin would), whatever Slurm flavor is up."""
-    r = subprocess.run(
-        ["/opt/tfimage/bin/tfimage", "push", str(sif), ref],
-        env={**cluster.env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    return r.stdout.strip().rsplit("@", 1)[1]
 
 
 def test_tag_moved_while_queued_is_not_followed(

@@ -1,0 +1,97 @@
+"""Paths from a job, resolved as the job's user, never as root.
+
+A ``--tf-mount`` source is checked against the admin's prefixes; checked by name, a
+link under an allowed prefix (``/home/u/etc -> /etc``) would pass.  Root must not
+follow the user's links to find out where they lead (that would let a user make root
+look anywhere, and stat what the user may not), so a child process takes the user's
+uid, gid and groups and resolves them there; root only reads the answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import select
+import signal
+import time
+from collections.abc import Sequence
+
+from tfimage.agent.errors import RuntimeSetupError
+
+TIMEOUT = 10.0  # a hung network filesystem must not hang a step's preparation
+MAX_ANSWER = 1 << 20
+
+
+def realpaths_as(uid: int, paths: Sequence[str], timeout: float = TIMEOUT) -> list[str | None]:
+    """For each path, its real path as ``uid`` sees it (links resolved, strictly), or
+    None where the user cannot resolve it (missing, no permission)."""
+    if not paths:
+        return []
+    try:
+        pw = pwd.getpwuid(uid)
+    except KeyError:
+        raise RuntimeSetupError(f"uid {uid} has no passwd entry on this node") from None
+    groups = os.getgrouplist(pw.pw_name, pw.pw_gid)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: become the user, answer, leave
+        status = 1
+        try:
+            os.close(r)
+            os.setgroups(groups)
+            os.setgid(pw.pw_gid)
+            os.setuid(uid)
+            out: list[str | None] = []
+            for p in paths:
+                try:
+                    out.append(os.path.realpath(p, strict=True))
+                except (OSError, ValueError):
+                    out.append(None)
+            data = json.dumps(out).encode()
+            while data:
+                data = data[os.write(w, data) :]
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(w)
+    data = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                raise RuntimeSetupError(
+                    f"--tf-mount: resolving the sources as uid {uid} took over {timeout:.0f} s"
+                )
+            chunk = os.read(r, 65536)
+            if not chunk:
+                break
+            data += chunk
+            if len(data) > MAX_ANSWER:
+                os.kill(pid, signal.SIGKILL)
+                raise RuntimeSetupError("--tf-mount: the sources' answer is too large")
+    finally:
+        os.close(r)
+        _reap(pid)
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, list) or len(answer) != len(paths):
+        raise RuntimeSetupError(f"--tf-mount: could not resolve the sources as uid {uid}")
+    return [a if isinstance(a, str) else None for a in answer]
+
+
+def _reap(pid: int) -> None:
+    """Wait for the child briefly; one stuck in the kernel is left to init's reaping
+    when this process ends, rather than hanging it."""
+    for _ in range(50):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done:
+            return
+        time.sleep(0.01)

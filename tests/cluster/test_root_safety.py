@@ -1,0 +1,211 @@
+"""Root on the node stays root's, on the real cluster: a user's image cannot lend a
+setuid bit or a device to the host, a link cannot take a ``--tf-mount`` outside the
+admin's prefixes, a job's values cannot make a hook fail, and a registry that
+trickles cannot hold a prolog past its deadline."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pwd
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, Cluster, busybox_sif, push
+from hostile import Server
+
+from support import add_privileges, build_sif
+
+pytestmark = pytest.mark.cluster
+TFIMAGE_MOUNTS = "/run/tfimage/jobs/"
+
+
+def _start(cluster: Cluster, argv: list[str], cwd: Path) -> subprocess.Popen[str]:
+    """``argv`` as the test user, in the background (see Cluster.run)."""
+    pw = pwd.getpwnam(cluster.user)
+    env = {**cluster.env, "HOME": pw.pw_dir, "USER": cluster.user, "PWD": str(cwd)}
+    kw: dict[str, object] = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+    if cluster.chroot:
+        argv = [
+            "/usr/sbin/chroot",
+            f"--userspec={pw.pw_uid}:{pw.pw_gid}",
+            "--groups=",
+            cluster.chroot,
+            "env",
+            "-C",
+            str(cwd),
+            *argv,
+        ]
+        kw = {}
+    return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
+        argv,
+        cwd=None if cluster.chroot else cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def _as_nobody_on(cluster: Cluster, node: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``argv`` as another unprivileged user (nobody), in the node's namespaces."""
+    return cluster.on_node(
+        node, ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
+    )
+
+
+def test_a_setuid_file_or_device_in_a_users_image_is_never_root_on_the_node(
+    cluster: Cluster, workdir: Path, tmp_path: Path
+) -> None:
+    busybox_sif(tmp_path, "setuid:1")
+    root = tmp_path / "root-setuid:1"  # busybox_sif's tree: add to it and build again
+    add_privileges(root, tmp_path)
+    push(cluster, build_sif(root, tmp_path / "setuid.sif"), "setuid:1")
+    job = _start(
+        cluster,
+        ["srun", "-N1", "-w", "n1", "--tf-image=setuid:1", "sh", "-c", "echo up; sleep 60"],
+        workdir,
+    )
+    try:
+        assert job.stdout is not None
+        assert job.stdout.readline().strip() == "up", job.stderr.read() if job.stderr else ""
+        mine = [m for m in cluster.node_mounts("n1") if m.startswith(TFIMAGE_MOUNTS)]
+        image = [m for m in mine if "/img-" in m]
+        step = [m for m in mine if m.endswith("/root")]
+        assert image and step, mine
+        with open(f"/proc/{cluster.node_pid('n1')}/mountinfo") as f:
+            flags = {
+                line.split()[4]: set(line.split()[5].split(","))
+                for line in f
+                if line.split()[4].startswith(TFIMAGE_MOUNTS)
+            }
+        for target, opts in flags.items():
+            assert {"ro", "nosuid", "nodev"} <= opts, (target, opts)
+        for base in (image[0], step[0]):
+            r = _as_nobody_on(cluster, "n1", f"{base}/bin/euid")
+            assert r.returncode == 0 and r.stdout.strip() == "65534", r.stdout + r.stderr
+            r = _as_nobody_on(cluster, "n1", "dd", f"if={base}/null", "of=/dev/null", "count=1")
+            assert r.returncode != 0 and "Permission denied" in r.stderr, r.stderr
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_a_link_under_an_allowed_prefix_cannot_mount_what_lies_outside(
+    cluster: Cluster, workdir: Path
+) -> None:
+    link = workdir / "etc-link"
+    link.symlink_to("/etc")
+    pw = pwd.getpwnam(cluster.user)
+    os.lchown(link, pw.pw_uid, pw.pw_gid)
+    r = cluster.run(
+        ["srun", "-N1", f"--tf-mount={link}:/mnt/etc", "--tf-image=tiny:1.0", "true"], cwd=workdir
+    )
+    assert r.returncode != 0
+    assert f"--tf-mount {link}: it leads to /etc, outside the allowed prefixes" in r.stderr
+    # The same directory by its real name, under the prefix, still binds.
+    real = workdir / "data"
+    real.mkdir()
+    os.chown(real, pw.pw_uid, pw.pw_gid)
+    (workdir / "data-link").symlink_to(real)
+    os.lchown(workdir / "data-link", pw.pw_uid, pw.pw_gid)
+    (real / "f").write_text("through the link\n")
+    r = cluster.run(
+        [
+            "srun",
+            "-N1",
+            f"--tf-mount={workdir / 'data-link'}:/mnt/d",
+            "--tf-image=tiny:1.0",
+            "cat",
+            "/mnt/d/f",
+        ],
+        cwd=workdir,
+    )
+    assert r.returncode == 0 and r.stdout == "through the link\n", r.stderr
+
+
+def _hooks_log(cluster: Cluster, node: str) -> list[str]:
+    path = cluster.state / "nodes" / node / "log" / "hooks.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.parametrize("image", ["-x", "--help", "a\nb"])
+def test_the_deployed_prolog_never_fails_for_a_jobs_value(cluster: Cluster, image: str) -> None:
+    """Any user can give a job any control environment through Slurm's API; the
+    prolog script the role installed must take it as a value, and exit 0."""
+    job = str(4_000_000_000 + len(image))
+    script = cluster.state / "etc" / "prolog.d" / "50-tfimage"
+    assert script.exists()
+    before = len(_hooks_log(cluster, "n1"))
+    r = cluster.on_node(
+        "n1", ["env", f"SPANK_TFIMAGE_IMAGE={image}", f"SLURM_JOB_ID={job}", "/bin/sh", str(script)]
+    )
+    assert r.returncode == 0, r.stderr
+    new = [line for line in _hooks_log(cluster, "n1")[before:] if f"job {job}" in line]
+    assert len(new) == 1 and "invalid image reference" in new[0], new
+
+
+@contextlib.contextmanager
+def _config_with(cluster: Cluster, **changes: object) -> Iterator[None]:
+    """The nodes' and the login node's config with ``changes``, put back after (same
+    inode, size and mtime, so its compiled form is valid again)."""
+    path = Path(cluster.env["TFIMAGE_CONFIG"])
+    text, st = path.read_text(), path.stat()
+    cfg = yaml.safe_load(text)
+    cfg.update(changes)
+    path.write_text(yaml.safe_dump(cfg))
+    daemon = ["bash", str(REPO / "deploy/local/cluster.sh"), "daemon", "login"]
+    try:
+        subprocess.run(daemon, check=True, timeout=60)  # the resolver loads it at start
+        yield
+    finally:
+        path.write_text(text)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        subprocess.run(daemon, check=True, timeout=60)
+
+
+@pytest.fixture
+def trickling(cluster: Cluster, tmp_path: Path) -> Iterator[Server]:
+    """A registry on the cluster's bridge that sends 64 KiB a second (each read well
+    inside read_timeout), with a certificate from the cluster's CA."""
+    pki = cluster.state / "pki"
+    addr = cluster.env["TFIMAGE_REGISTRY"].split(":")[0]
+    (tmp_path / "ext.cnf").write_text(f"subjectAltName=IP:{addr}\nextendedKeyUsage=serverAuth\n")
+    key, csr, crt = (str(tmp_path / n) for n in ("srv.key", "srv.csr", "srv.crt"))
+    ca = ["-CA", str(pki / "ca.crt"), "-CAkey", str(pki / "ca.key"), "-CAcreateserial"]
+    for argv in (
+        ["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=t", "-keyout", key, "-out", csr],
+        ["x509", "-req", "-in", csr, *ca, "-extfile", str(tmp_path / "ext.cnf"), "-out", crt],
+    ):
+        subprocess.run(["openssl", *argv], check=True, capture_output=True, timeout=60)
+    s = Server(tmp_path, address=addr)
+    try:
+        yield s
+    finally:
+        s.httpd.shutdown()
+
+
+def test_a_trickling_registry_ends_the_prolog_at_its_deadline_and_the_job_says_why(
+    cluster: Cluster, workdir: Path, trickling: Server
+) -> None:
+    trickling.serve(os.urandom(16 << 20), delay=1.0)
+    digest = "sha256:" + hashlib.sha256(trickling.b.manifest).hexdigest()
+    ref = f"{trickling.host}/library/slow@{digest}"
+    allowed = [cluster.env["TFIMAGE_REGISTRY"], trickling.host]
+    before = len(_hooks_log(cluster, "n1"))
+    with _config_with(cluster, hook_deadline=8, allowed_registries=allowed):
+        started = time.monotonic()
+        r = cluster.run(["srun", "-N1", "-w", "n1", f"--tf-image={ref}", "true"], cwd=workdir)
+        took = time.monotonic() - started
+    assert r.returncode != 0
+    assert "the prolog could not ready it on this node: prolog: gave up after 8 s" in r.stderr
+    assert took < 8 + 20, took  # the deadline, once: not a second wait in the step
+    lines = [line for line in _hooks_log(cluster, "n1")[before:] if "library/slow" in line]
+    assert len(lines) == 1 and "gave up after 8 s" in lines[0], lines
+    assert cluster.node_state("n1") in ("idle", "mixed"), "never drained"

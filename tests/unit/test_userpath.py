@@ -1,0 +1,58 @@
+"""``--tf-mount`` sources resolved as the job's user, and checked where they lead."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tfimage.agent.binds import MountError, parse_mounts
+from tfimage.agent.config import Config
+from tfimage.agent.step import _resolved
+from tfimage.agent.userpath import realpaths_as
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="taking another uid needs root")
+NOBODY = 65534
+
+
+@pytest.fixture
+def tree() -> Iterator[Path]:
+    """Under /run (pytest's tmp is 0700: another uid could not look): an allowed
+    prefix holding a real directory, a link to /etc, and a directory only root reads."""
+    base = Path(f"/run/tfimage-userpath-{os.getpid()}")
+    (base / "data" / "real").mkdir(parents=True)
+    (base / "data" / "etc").symlink_to("/etc")
+    (base / "data" / "in").symlink_to(base / "data" / "real")
+    (base / "data" / "secret").mkdir(mode=0o700)
+    (base / "data" / "secret" / "x").mkdir()
+    base.chmod(0o755)
+    (base / "data").chmod(0o755)
+    yield base
+    shutil.rmtree(base)
+
+
+def test_links_are_resolved_as_the_user(tree: Path) -> None:
+    d = tree / "data"
+    got = realpaths_as(NOBODY, [str(d / "in"), str(d / "etc"), str(d / "secret/x"), "/no/such"])
+    # The secret directory's inside is root's to see, not the user's: not resolved.
+    assert got == [str(d / "real"), "/etc", None, None]
+
+
+def test_a_link_under_an_allowed_prefix_leading_out_of_it_is_refused(tree: Path) -> None:
+    d = tree / "data"
+    cfg = Config(registry="r.invalid", mount_prefixes=(str(d),))
+    binds = parse_mounts(f"{d / 'etc'}:/mnt/etc,{d / 'in'}:/mnt/in", cfg.mount_prefixes)
+    with pytest.raises(MountError, match=r"leads to /etc, outside the allowed prefixes"):
+        _resolved(cfg, NOBODY, binds)
+    ok = _resolved(cfg, NOBODY, parse_mounts(f"{d / 'in'}:/mnt/in:ro", cfg.mount_prefixes))
+    assert [(b.src, b.dst, b.read_only) for b in ok] == [(str(d / "real"), "/mnt/in", True)]
+
+
+def test_a_source_the_user_cannot_see_is_left_for_the_task_to_report(tree: Path) -> None:
+    d = tree / "data"
+    cfg = Config(registry="r.invalid", mount_prefixes=(str(d),))
+    got = _resolved(cfg, NOBODY, parse_mounts(f"{d / 'secret/x'}:/mnt/x", cfg.mount_prefixes))
+    assert [b.src for b in got] == [str(d / "secret/x")]  # as given: the task says why
