@@ -170,6 +170,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_step_prepare(args: argparse.Namespace) -> int:
+    from tfimage.agent.deadline import deadline
     from tfimage.agent.step import LAYOUT_VARS, StepRequest, plan_step
 
     if os.geteuid() != 0:
