@@ -28,7 +28,7 @@ GIB = 1 << 30
 # The start of each pulling child's program: the site config (argv[1]) and a cache.
 LOAD = (
     "from tfimage.agent.config import load_config; "
-    "from tfimage.agent.cache import ImageCache; c = load_config(sys.argv[1]); "
+    "from tfimage.agent.cache.store import ImageCache; c = load_config(sys.argv[1]); "
 )
 
 
@@ -87,7 +87,7 @@ def main(env: dict[str, str], runs: int) -> None:
     # wheel), where there is one; the oras-py baseline runs in the same interpreter.
     deployed = Path("/opt/tfimage/bin/python3")
     py = str(deployed) if deployed.exists() else sys.executable
-    from tfimage.agent.cache import ImageCache, client_for
+    from tfimage.agent.cache.store import ImageCache, client_for
     from tfimage.agent.config import compile_config, config_from_mapping
 
     ref_text = "tf-custom:2.0"

@@ -14,12 +14,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tfimage.agent.cache import ImageCache
+from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.config import DEFAULT_PATH, load_config
 from tfimage.agent.errors import TfimageError
 from tfimage.agent.hooklog import LOG_FILE, guarded, hook_logger, log_to
 from tfimage.agent.ids import valid_job_id
-from tfimage.agent.mounts import release_job
+from tfimage.agent.step.imagemount import release_job
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -25,7 +25,7 @@ from tfimage.agent.errors import TfimageError
 from tfimage.agent.hooklog import LOG_FILE, guarded, hook_logger, log_to
 from tfimage.agent.ids import valid_job_id
 from tfimage.agent.logtext import oneline
-from tfimage.agent.step import prepare_job
+from tfimage.agent.step.plan import prepare_job
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -21,10 +21,10 @@ from typing import TypeVar
 
 import pytest
 
-from tfimage.agent.credentials import Credential
-from tfimage.agent.registry import RegistryClient
+from tfimage.agent.registry.client import RegistryClient
+from tfimage.agent.registry.credentials import Credential
+from tfimage.agent.registry.transport import Transport
 from tfimage.agent.sif import build_commands
-from tfimage.agent.transport import Transport
 
 T = TypeVar("T")
 
@@ -189,7 +189,7 @@ def started_daemon(
     cfg.write_text(config.replace("{run}", str(run)))
     log = tmp_path / "daemon.log"
     p = subprocess.Popen(
-        [sys.executable, "-m", "tfimage.agent.cli", "--config", str(cfg), "daemon"],
+        [sys.executable, "-m", "tfimage.agent.cli.main", "--config", str(cfg), "daemon"],
         stderr=log.open("w"),
     )
     for _ in range(100):

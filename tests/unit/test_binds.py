@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from tfimage.agent.binds import MountError, parse_mounts
-from tfimage.agent.runtime import Bind
+from tfimage.agent.step.binds import MountError, parse_mounts
+from tfimage.agent.step.runtime import Bind
 
 PREFIXES = ("/home", "/data")
 

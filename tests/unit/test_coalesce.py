@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from support import Registry, at_once
-from tfimage.agent.cache import CachedImage, ImageCache, client_for
-from tfimage.agent.coalesce import lock_path
+from tfimage.agent.cache.coalesce import lock_path
+from tfimage.agent.cache.store import CachedImage, ImageCache, client_for
 from tfimage.agent.config import Config, load_config
 from tfimage.agent.fsutil import held
-from tfimage.agent.registry import RegistryClient
-from tfimage.agent.transport import Response, StdlibTransport
+from tfimage.agent.registry.client import RegistryClient
+from tfimage.agent.registry.transport import Response, StdlibTransport
 
 
 class CountingTransport(StdlibTransport):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tfimage.agent.cli import main
+from tfimage.agent.cli.main import main
 from tfimage.agent.config import compile_config, compiled_path, load_config
 from tfimage.agent.errors import ConfigError
 

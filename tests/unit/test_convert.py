@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from support import Registry, need, push_oci_image
-from tfimage.agent import mounts
-from tfimage.agent.cache import ImageCache
+from tfimage.agent.cache.convert import apptainer_build
+from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.config import load_config
-from tfimage.agent.convert import apptainer_build
 from tfimage.agent.errors import ImageError
 from tfimage.agent.sif import root_partition
+from tfimage.agent.step import imagemount
 
 
 def test_docker_reference_is_converted_and_cached(registry: Registry, tmp_path: Path) -> None:
@@ -36,7 +36,7 @@ def test_docker_reference_is_converted_and_cached(registry: Registry, tmp_path: 
     state = tmp_path / "state"
     state.mkdir()
     assert got.ref.digest
-    img = mounts.mount_image(str(state), "1", got.path, got.ref.digest)
+    img = imagemount.mount_image(str(state), "1", got.path, got.ref.digest)
     try:
         assert (img / "etc/tfimage-test-image").read_text() == "oci-marker\n"
         assert "export FOO=bar" in (img / ".singularity.d/env/90-environment.sh").read_text()
@@ -45,7 +45,7 @@ def test_docker_reference_is_converted_and_cached(registry: Registry, tmp_path: 
         assert (img / "etc/hosts").exists()  # added for ch-run
         assert (img / "bin/busybox").stat().st_uid == 0  # -all-root
     finally:
-        mounts.release_job(str(state), "1")
+        imagemount.release_job(str(state), "1")
 
 
 def test_apptainer_builds_from_the_fetched_layout_without_credentials(tmp_path: Path) -> None:
@@ -125,7 +125,7 @@ def test_the_image_env_is_data_never_shell(
     assert got.ref.digest
     state = tmp_path / "state"
     state.mkdir()
-    img = mounts.mount_image(str(state), "1", got.path, got.ref.digest)
+    img = imagemount.mount_image(str(state), "1", got.path, got.ref.digest)
     try:
         script = img / ".singularity.d/env/90-environment.sh"
         # What Apptainer does with it: sourced by a shell, then the task runs.
@@ -142,7 +142,7 @@ def test_the_image_env_is_data_never_shell(
         ch_env = (img / "ch/environment").read_text().splitlines()
         assert ch_env == ["PLAIN='x y'"]  # a line break cannot be written there
     finally:
-        mounts.release_job(str(state), "1")
+        imagemount.release_job(str(state), "1")
     warned = [r.getMessage() for r in caplog.records]
     assert any("dropped the image's Env entry 'a;touch" in m for m in warned), warned
     assert any("GOOD holds a line break" in m for m in warned), warned
@@ -163,14 +163,14 @@ def test_setuid_bits_and_devices_are_stripped_from_a_converted_image(
     assert got.ref.digest
     state = tmp_path / "state"
     state.mkdir()
-    img = mounts.mount_image(str(state), "1", got.path, got.ref.digest)
+    img = imagemount.mount_image(str(state), "1", got.path, got.ref.digest)
     try:
         assert stat.S_IMODE((img / "bin/rootshell").stat().st_mode) == 0o755
         assert stat.S_IMODE((img / "bin/groupie").stat().st_mode) == 0o755
         assert not (img / "mem").exists()
         assert (img / "bin/busybox").exists()  # the rest is intact
     finally:
-        mounts.release_job(str(state), "1")
+        imagemount.release_job(str(state), "1")
     assert any(
         "removed setuid/setgid bits from 2 file(s) and 1 device node(s)" in r.getMessage()
         for r in caplog.records

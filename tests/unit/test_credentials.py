@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tfimage.agent.credentials import load_credentials
 from tfimage.agent.errors import CredentialsError
+from tfimage.agent.registry.credentials import load_credentials
 
 
 def test_private_file_loads_and_hides_password(tmp_path: Path) -> None:
@@ -58,7 +58,7 @@ def test_json_syntax_is_read_without_a_yaml_parser(tmp_path: Path) -> None:
     p.write_text('{"registries": {"h:5000": {"username": "robot$x+y", "password": "pw"}}}\n')
     p.chmod(0o600)
     code = (
-        "import sys; from tfimage.agent.credentials import load_credentials; "
+        "import sys; from tfimage.agent.registry.credentials import load_credentials; "
         f"c = load_credentials({str(p)!r}); print(c['h:5000'].username, 'yaml' in sys.modules)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

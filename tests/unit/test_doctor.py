@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from support import Registry, need
-from tfimage.agent.cli import main
-from tfimage.agent.doctor import Context, exit_status, run_checks
+from tfimage.agent.cli.doctor import Context, exit_status, run_checks
+from tfimage.agent.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN = REPO / "spank" / "build" / "spank_tfimage.so"
@@ -112,7 +112,7 @@ def test_json_and_exit_code_from_the_cli(
 def test_a_missing_cache_is_a_warning(tmp_path: Path, registry: Registry) -> None:
     need("srun")
     cfg = registry.write_site(tmp_path)
-    from tfimage.agent.doctor import check_cache, check_config
+    from tfimage.agent.cli.doctor import check_cache, check_config
 
     ctx = Context(cfg, tmp_path / "slurm.conf")
     list(check_config(ctx))
@@ -122,7 +122,7 @@ def test_a_missing_cache_is_a_warning(tmp_path: Path, registry: Registry) -> Non
 
 
 def test_a_configured_daemon_that_does_not_answer_is_a_warning(tmp_path: Path) -> None:
-    from tfimage.agent.doctor import _daemon_finding
+    from tfimage.agent.cli.doctor import _daemon_finding
 
     f = _daemon_finding(str(tmp_path / "daemon.sock"), "steps start Python")
     assert f.level == "warning" and "no tfimage daemon answers" in f.message and f.fix

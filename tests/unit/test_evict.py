@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from support import Registry
-from tfimage.agent.cache import ImageCache
+from tfimage.agent.cache.evict import prune, remove, set_pinned, usage, verify
+from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.config import load_config
 from tfimage.agent.errors import CacheError
-from tfimage.agent.evict import prune, remove, set_pinned, usage, verify
 
 DAY = 86400.0
-CLI = (sys.executable, "-m", "tfimage.agent.cli")
+CLI = (sys.executable, "-m", "tfimage.agent.cli.main")
 
 
 @pytest.fixture
@@ -183,7 +183,7 @@ def test_prune_drops_interrupted_downloads_nobody_resumed(
 ) -> None:
     import fcntl
 
-    from tfimage.agent.evict import stale_partials
+    from tfimage.agent.cache.evict import stale_partials
 
     cache, _, cfg_path = filled
     tmp = cache.root / "tmp"

@@ -29,8 +29,8 @@ from support import Registry, ask_daemon, started_daemon
 from tfimage.agent.config import load_config
 from tfimage.agent.errors import ImageError, NodeFault
 from tfimage.agent.hooklog import guarded, hook_logger
-from tfimage.agent.runtime import runtime_for
-from tfimage.agent.step import _ready
+from tfimage.agent.step.plan import _ready
+from tfimage.agent.step.runtime import runtime_for
 from tfimage.epilog.main import main as epilog
 from tfimage.prolog.main import main as prolog
 from tokenauth import TokenService

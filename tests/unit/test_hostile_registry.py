@@ -22,12 +22,12 @@ import pytest
 from hostile import SIF_LAYER, Server, digest_of
 
 from support import at_once
-from tfimage.agent.cache import ImageCache, client_for
+from tfimage.agent.cache.store import ImageCache, client_for
 from tfimage.agent.config import load_config
-from tfimage.agent.credentials import Credential
 from tfimage.agent.errors import CacheError, RegistryError, RegistryUnreachable, VerificationError
-from tfimage.agent.registry import RegistryClient
-from tfimage.agent.transport import RequestsTransport, StdlibTransport
+from tfimage.agent.registry.client import RegistryClient
+from tfimage.agent.registry.credentials import Credential
+from tfimage.agent.registry.transport import RequestsTransport, StdlibTransport
 
 
 @pytest.fixture
@@ -178,7 +178,7 @@ def test_a_download_that_keeps_breaking_fails_and_the_next_pull_resumes(
 def kill_9_pull_when(config: Path, ready: Callable[[], bool]) -> None:
     """Run `tfimage pull x:1` in a process of its own; SIGKILL it once ``ready()``."""
     puller = subprocess.Popen(
-        [sys.executable, "-m", "tfimage.agent.cli", "pull", "x:1"],
+        [sys.executable, "-m", "tfimage.agent.cli.main", "pull", "x:1"],
         env={**os.environ, "TFIMAGE_CONFIG": str(config)},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -407,9 +407,9 @@ def test_a_pinned_ensure_that_waited_for_the_download_never_loads_the_registry_c
     cache.make_dirs()
     code = (
         "import json, sys; from tfimage.agent.config import load_config; "
-        "from tfimage.agent.cache import ImageCache; c = load_config(sys.argv[1]); "
+        "from tfimage.agent.cache.store import ImageCache; c = load_config(sys.argv[1]); "
         "g = ImageCache(c).ensure(c.reference(sys.argv[2])); "
-        "print(json.dumps([g.hit, 'tfimage.agent.registry' in sys.modules, "
+        "print(json.dumps([g.hit, 'tfimage.agent.registry.client' in sys.modules, "
         "'hashlib' in sys.modules]))"
     )
     with cache.lock(digest):  # the download in progress, as another pull holds it

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from support import add_privileges, build_sif, need
-from tfimage.agent import mounts
 from tfimage.agent.errors import RuntimeSetupError
+from tfimage.agent.step import imagemount
 
 
 @pytest.mark.parametrize(
@@ -21,13 +21,13 @@ from tfimage.agent.errors import RuntimeSetupError
 )
 def test_paths_from_jobs_must_be_normal_and_absolute(bad: str) -> None:
     with pytest.raises(RuntimeSetupError):
-        mounts.safe_abspath(bad, "working directory")
+        imagemount.safe_abspath(bad, "working directory")
 
 
 @pytest.mark.parametrize("bad", ["", "12a", "../1", "1/2", "9" * 11])
 def test_job_ids_are_digits(bad: str) -> None:
     with pytest.raises(RuntimeSetupError):
-        mounts.job_dir("/run/tfimage", bad)
+        imagemount.job_dir("/run/tfimage", bad)
 
 
 @pytest.fixture
@@ -45,22 +45,22 @@ def test_image_and_step_root_mount_and_release(
     state = tmp_path / "state"
     state.mkdir()
     digest = "sha256:" + "c" * 64
-    img = mounts.mount_image(str(state), "42", sif, digest)
+    img = imagemount.mount_image(str(state), "42", sif, digest)
     try:
-        assert mounts.mounted(img)
+        assert imagemount.mounted(img)
         assert (img / "etc/marker").read_text() == "from-image\n"
-        assert mounts.mount_image(str(state), "42", sif, digest) == img  # idempotent
+        assert imagemount.mount_image(str(state), "42", sif, digest) == img  # idempotent
 
-        root = mounts.step_root(str(state), "42", "0", img, ["/home/u/proj", "/var/spool/x"])
-        assert mounts.mounted(root)
+        root = imagemount.step_root(str(state), "42", "0", img, ["/home/u/proj", "/var/spool/x"])
+        assert imagemount.mounted(root)
         assert (root / "etc/marker").read_text() == "from-image\n"
         assert (root / "home/u/proj").is_dir() and (root / "var/spool/x").is_dir()
         with pytest.raises(OSError):
             (root / "new-file").write_text("x")  # the container root is read-only
     finally:
-        stuck = mounts.release_job(str(state), "42")
+        stuck = imagemount.release_job(str(state), "42")
     assert stuck == []
-    assert not mounts.mounted(img)
+    assert not imagemount.mounted(img)
     assert not (state / "jobs" / "42").exists()
 
 
@@ -71,7 +71,7 @@ def test_skeleton_refuses_symlinks_on_the_way(root_with_fuse: None, tmp_path: Pa
     outside.mkdir()
     (state / "jobs" / "7" / "step-0" / "skel").symlink_to(outside)
     with pytest.raises(OSError):
-        mounts.step_root(str(state), "7", "0", tmp_path, ["/home/u"])
+        imagemount.step_root(str(state), "7", "0", tmp_path, ["/home/u"])
     assert not (outside / "home").exists()  # nothing created through the link
 
 
@@ -100,8 +100,8 @@ def test_a_setuid_file_or_device_in_an_image_is_never_honoured_on_the_host(
     state = Path(f"/run/tfimage-test-{os.getpid()}")
     state.mkdir(mode=0o755)
     try:
-        img = mounts.mount_image(str(state), "5", sif, "sha256:" + "e" * 64)
-        root = mounts.step_root(str(state), "5", "0", img, ["/home/u"])
+        img = imagemount.mount_image(str(state), "5", sif, "sha256:" + "e" * 64)
+        root = imagemount.step_root(str(state), "5", "0", img, ["/home/u"])
         with open("/proc/self/mountinfo") as f:
             ours = [line.split() for line in f if line.split()[4].startswith(str(state))]
         assert len(ours) == 2
@@ -118,5 +118,5 @@ def test_a_setuid_file_or_device_in_an_image_is_never_honoured_on_the_host(
             assert stat.S_IMODE(d.stat().st_mode) == 0o711, d
         assert _as_nobody("/bin/ls", str(state / "jobs" / "5")).returncode != 0
     finally:
-        mounts.release_job(str(state), "5")
+        imagemount.release_job(str(state), "5")
         shutil.rmtree(state, ignore_errors=True)

@@ -10,8 +10,8 @@ import pytest
 from support import Registry
 from tfimage.agent.config import load_config
 from tfimage.agent.errors import RegistryError
-from tfimage.agent.pinning import pin
-from tfimage.agent.registry import RegistryClient
+from tfimage.agent.registry.client import RegistryClient
+from tfimage.agent.submit.pin import pin
 
 
 def down(host: str) -> RegistryClient:

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from support import Registry, at_once
-from tfimage.agent.cache import ImageCache, client_for
+from tfimage.agent.cache.store import ImageCache, client_for
 from tfimage.agent.config import load_config
-from tfimage.agent.credentials import Credential
 from tfimage.agent.errors import ImageError, RegistryError
-from tfimage.agent.registry import RegistryClient
-from tfimage.agent.transport import RequestsTransport, StdlibTransport, Transport
+from tfimage.agent.registry.client import RegistryClient
+from tfimage.agent.registry.credentials import Credential
+from tfimage.agent.registry.transport import RequestsTransport, StdlibTransport, Transport
 
 
 def client(
@@ -151,7 +151,7 @@ def test_first_registry_down_the_mirror_serves(
 
 
 def test_writeback_hint_is_best_effort(tmp_path: Path) -> None:
-    from tfimage.agent.stripes import _start_writeback
+    from tfimage.agent.cache.download import _start_writeback
 
     p = tmp_path / "blob"
     with p.open("wb") as f:
@@ -171,7 +171,7 @@ def _refuses_unaligned_o_direct(d: Path) -> bool | None:
     import mmap
     import os
 
-    from tfimage.agent.stripes import ALIGN
+    from tfimage.agent.cache.download import ALIGN
 
     probe = d / "o_direct-probe"
     probe.touch()
@@ -205,7 +205,7 @@ def test_appender_falls_back_when_o_direct_refuses_a_write(tmp_path: Path) -> No
     import shutil
     import subprocess
 
-    from tfimage.agent.stripes import ALIGN, _Appender
+    from tfimage.agent.cache.download import ALIGN, _Appender
 
     where = tmp_path
     own_fs: Path | None = None
@@ -259,7 +259,7 @@ def test_a_sif_pushed_by_old_singularity_is_pulled_and_a_near_miss_refused(
     import json
 
     from tfimage.agent.errors import VerificationError
-    from tfimage.agent.registry import OCI_MANIFEST, SIF_CONFIG
+    from tfimage.agent.registry.client import OCI_MANIFEST, SIF_CONFIG
 
     up = client(registry)
     sif = make_sif({"etc/tfimage-test-image": "old singularity\n"})

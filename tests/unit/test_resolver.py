@@ -11,14 +11,14 @@ import pytest
 
 from support import Registry
 from tfimage.agent.config import load_config
-from tfimage.agent.lastseen import PER_UID, LastSeen
-from tfimage.agent.resolver import (
+from tfimage.agent.daemon.pinserver import (
     RETRY_YOURSELF,
     RequestError,
     ResolveRequest,
     answer,
     parse_request,
 )
+from tfimage.agent.submit.lastseen import PER_UID, LastSeen
 
 GOOD = ["submit-check", "--mounts", "", "--job-image", "", "--", "tiny:1"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tfimage.agent.runtime import Apptainer, Bind, Charliecloud, StepSpec
+from tfimage.agent.step.runtime import Apptainer, Bind, Charliecloud, StepSpec
 
 SPEC = StepSpec(
     workdir="/home/u/proj",

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from support import Registry
-from tfimage.agent.cache import ImageCache
+from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.config import load_config
 from tfimage.agent.errors import RegistryError
-from tfimage.agent.transport import RequestsTransport, StdlibTransport, Transport
+from tfimage.agent.registry.transport import RequestsTransport, StdlibTransport, Transport
 from tokenauth import LEEWAY, TokenService
 
 

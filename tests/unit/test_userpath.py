@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tfimage.agent.binds import MountError, parse_mounts
 from tfimage.agent.config import Config
-from tfimage.agent.step import _resolved
-from tfimage.agent.userpath import realpaths_as
+from tfimage.agent.step.binds import MountError, parse_mounts
+from tfimage.agent.step.plan import _resolved
+from tfimage.agent.step.userpath import realpaths_as
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="taking another uid needs root")
 NOBODY = 65534

@@ -7,7 +7,13 @@ import re
 from dataclasses import dataclass
 
 from tfimage.agent.errors import VerificationError
-from tfimage.agent.registry import OCI_MANIFEST, SIF_CONFIG, SIF_LAYER, SIF_LAYER_PROTO, Manifest
+from tfimage.agent.registry.client import (
+    OCI_MANIFEST,
+    SIF_CONFIG,
+    SIF_LAYER,
+    SIF_LAYER_PROTO,
+    Manifest,
+)
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}\Z")
 MAX_SIF = 1 << 40

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from tfimage.agent.errors import ReferenceError
-from tfimage.agent.runtime import Bind
+from tfimage.agent.step.runtime import Bind
 
 MAX_MOUNTS = 32
 # Names of the image's system directories, compared as strings, never opened.

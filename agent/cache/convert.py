@@ -27,11 +27,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tfimage.agent import imagefs, proc
-from tfimage.agent.credentials import Credential
+from tfimage.agent import toolrun
+from tfimage.agent.cache import imagefs
 from tfimage.agent.errors import ImageError, RuntimeSetupError
 from tfimage.agent.logtext import oneline
 from tfimage.agent.reference import Reference
+from tfimage.agent.registry.credentials import Credential
 from tfimage.agent.sif import build_commands
 
 CONVERT_TIMEOUT = 3600.0
@@ -57,7 +58,7 @@ def is_image_manifest(body: dict[str, object]) -> bool:
 
 def _run(argv: list[str], what: str, env: dict[str, str] | None = None) -> str:
     try:
-        return proc.run(argv, timeout=CONVERT_TIMEOUT, what=what, env=env)
+        return toolrun.run(argv, timeout=CONVERT_TIMEOUT, what=what, env=env)
     except RuntimeSetupError as e:
         raise ImageError(str(e)) from None
 
@@ -177,7 +178,7 @@ def oci_to_sif(
             shutil.copy(ca_bundle, certs / "ca.crt")
             argv += ["--src-cert-dir", str(certs)]
         _run([*argv, source, f"oci:{work / 'oci'}:img"], "fetching the OCI image")
-        apptainer = shutil.which("apptainer", path=proc.SAFE_ENV["PATH"])
+        apptainer = shutil.which("apptainer", path=toolrun.SAFE_ENV["PATH"])
         if apptainer:
             build, env = apptainer_build(apptainer, work)
             (work / "cache").mkdir()

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from tfimage.agent.errors import RegistryUnreachable
 
 if TYPE_CHECKING:
-    from tfimage.agent.registry import RegistryClient
+    from tfimage.agent.registry.client import RegistryClient
 
 # O_DIRECT wants offsets, lengths and buffer addresses aligned to the device's
 # block; 4 KiB covers every block size Linux filesystems use.

@@ -18,13 +18,13 @@ from tfimage.agent.config import Config, load_config
 from tfimage.agent.errors import CacheError, TfimageError
 
 if TYPE_CHECKING:  # every `tfimage` call builds this parser: load the cache only when used
-    from tfimage.agent.cache import ImageCache
+    from tfimage.agent.cache.store import ImageCache
 
 Handler = Callable[[argparse.Namespace], int]
 
 
 def _cache(args: argparse.Namespace) -> ImageCache:
-    from tfimage.agent.cache import ImageCache
+    from tfimage.agent.cache.store import ImageCache
 
     return ImageCache(load_config(args.config))
 
@@ -90,7 +90,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_du(args: argparse.Namespace) -> int:
-    from tfimage.agent.evict import usage
+    from tfimage.agent.cache.evict import usage
 
     cache = _cache(args)
     u = usage(cache)
@@ -115,7 +115,7 @@ def cmd_du(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from tfimage.agent.evict import remove
+    from tfimage.agent.cache.evict import remove
 
     cache = _cache(args)
     digest = _digest_of(cache, cache.cfg, args.image)
@@ -125,7 +125,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from tfimage.agent.evict import orphans, prune, stale_partials
+    from tfimage.agent.cache.evict import orphans, prune, stale_partials
 
     cache = _cache(args)
     gone = prune(cache, dry_run=args.dry_run)
@@ -149,7 +149,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from tfimage.agent.evict import verify
+    from tfimage.agent.cache.evict import verify
 
     bad = verify(_cache(args))
     _out(
@@ -161,7 +161,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _pin(args: argparse.Namespace, pinned: bool) -> int:
-    from tfimage.agent.evict import set_pinned
+    from tfimage.agent.cache.evict import set_pinned
 
     cache = _cache(args)
     cfg = cache.cfg
@@ -182,7 +182,7 @@ def _pin(args: argparse.Namespace, pinned: bool) -> int:
 
 def cmd_warm(args: argparse.Namespace) -> int:
     """For a timer: fetch every pinned image (a moved tag brings its new bytes)."""
-    from tfimage.agent.evict import set_pinned
+    from tfimage.agent.cache.evict import set_pinned
 
     cache = _cache(args)
     failed = 0

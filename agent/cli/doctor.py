@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from tfimage.agent.cli.slurmconf import hook_scripts, read_plugstack, read_slurm_conf
 from tfimage.agent.config import HOOK_GRACE, Config, load_config
 from tfimage.agent.errors import TfimageError
-from tfimage.agent.slurmconf import hook_scripts, read_plugstack, read_slurm_conf
 
 Level = Literal["ok", "info", "warning", "error"]
 _RANK = {"ok": 0, "info": 0, "warning": 1, "error": 2}
@@ -225,7 +225,7 @@ def check_hooks(ctx: Context) -> Iterator[Finding]:
 def check_runtime(ctx: Context) -> Iterator[Finding]:
     if ctx.cfg is None:
         return
-    from tfimage.agent.runtime import runtime_for
+    from tfimage.agent.step.runtime import runtime_for
 
     try:
         rt = runtime_for(ctx.cfg.runtime, ctx.cfg.runtime_path)
@@ -272,7 +272,7 @@ def check_runtime(ctx: Context) -> Iterator[Finding]:
 def check_registry(ctx: Context) -> Iterator[Finding]:
     if ctx.cfg is None:
         return
-    from tfimage.agent.cache import client_for
+    from tfimage.agent.cache.store import client_for
 
     for host in (ctx.cfg.registry, *ctx.cfg.mirrors):
         try:

@@ -11,7 +11,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tfimage.agent import imagefs
+from tfimage.agent.cache import imagefs
 from tfimage.agent.errors import RuntimeSetupError
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.cache import CHUNK, ImageCache
+from tfimage.agent.cache.store import CHUNK, ImageCache
 from tfimage.agent.errors import CacheError
 from tfimage.agent.fsutil import held
 from tfimage.agent.sif import has_magic

@@ -18,7 +18,7 @@ no hook ever runs twice at once.  A hook's answer is 0 whatever went wrong insid
 the daemon (hooklog.py: only a node fault may drain a node).
 
 A second socket, ``resolve.sock`` (mode 0666), serves every local user one thing:
-pinning a reference at submit (see resolver.py for its request and its trust).
+pinning a reference at submit (see pinserver.py for its request and its trust).
 A request must arrive whole within ``RESOLVE_READ`` seconds (not per read: a byte
 every second holds nothing for long); at most ``MAX_RESOLVERS`` run at once and at
 most ``MAX_RESOLVERS_PER_UID`` for one user, so one user's flood leaves the other
@@ -131,7 +131,7 @@ def _run(argv: list[str]) -> int:
         from tfimage.epilog.main import main as epilog
 
         return epilog(argv[1:])
-    from tfimage.agent.cli import main
+    from tfimage.agent.cli.main import main
 
     return main(argv)
 
@@ -209,18 +209,18 @@ def _captured(argv: list[str]) -> tuple[int, bytes, bytes]:
 
 
 def _resolve(conn: socket.socket, cfg: Config) -> None:
-    """In the forked worker: pin one reference for any local user (resolver.py)."""
-    from tfimage.agent import resolver
+    """In the forked worker: pin one reference for any local user (pinserver.py)."""
+    from tfimage.agent.daemon import pinserver
 
     started = time.monotonic()
     uid = -1
-    status, out, err = resolver.RETRY_YOURSELF, "", ""
+    status, out, err = pinserver.RETRY_YOURSELF, "", ""
     try:
         uid = _peer_uid(conn)
-        argv = _read_argv(conn, resolver.MAX_REQUEST, RESOLVE_READ)
+        argv = _read_argv(conn, pinserver.MAX_REQUEST, RESOLVE_READ)
         if argv is None:
             return
-        status, out, err = resolver.answer(cfg, resolver.parse_request(argv), uid)
+        status, out, err = pinserver.answer(cfg, pinserver.parse_request(argv), uid)
     except (TfimageError, OSError) as e:
         err = f"tfimage: {e}\n"
     except Exception as e:  # a bug: one line, and the plugin pins by itself
@@ -239,16 +239,16 @@ def serve(path: Path, cfg: Config, resolve_path: Path | None = None) -> int:
     # Everything a step or a pin needs, imported once, before the first request
     # (a forked worker would otherwise import it again each time: the registry
     # client and its hashlib are ~8 ms).
-    import tfimage.agent.binds
-    import tfimage.agent.cli
-    import tfimage.agent.credentials
-    import tfimage.agent.pinning
-    import tfimage.agent.registry
-    import tfimage.agent.resolver
-    import tfimage.agent.step
-    import tfimage.agent.stripes
-    import tfimage.agent.tfenv
-    import tfimage.agent.transport
+    import tfimage.agent.cache.download
+    import tfimage.agent.cli.main
+    import tfimage.agent.daemon.pinserver
+    import tfimage.agent.registry.client
+    import tfimage.agent.registry.credentials
+    import tfimage.agent.registry.transport
+    import tfimage.agent.step.binds
+    import tfimage.agent.step.plan
+    import tfimage.agent.step.taskenv
+    import tfimage.agent.submit.pin
     import tfimage.epilog.main
     import tfimage.prolog.main  # noqa: F401
 

@@ -53,7 +53,7 @@ class _Bar:
 
 def _pin(cfg: Config, ref: Reference, job_image: str | None = None) -> tuple[Reference, str | None]:
     """Pin ``ref`` to its digest; a fallback's warning goes to stderr, for the user."""
-    from tfimage.agent.pinning import pin
+    from tfimage.agent.submit.pin import pin
 
     pinned, warning = pin(cfg, ref, job_image=job_image)
     if warning:
@@ -83,7 +83,7 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def cmd_submit_check(args: argparse.Namespace) -> int:
-    from tfimage.agent.binds import parse_mounts
+    from tfimage.agent.step.binds import parse_mounts
 
     cfg = _config(args)
     ref = cfg.reference(args.ref)
@@ -96,7 +96,7 @@ def cmd_submit_check(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from tfimage.agent.tfenv import task_env
+    from tfimage.agent.step.taskenv import task_env
 
     cfg = _config(args)
     # Recompute from the step alone, then compare with what this task really has.
@@ -137,7 +137,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from tfimage.agent.cache import ImageCache
+    from tfimage.agent.cache.store import ImageCache
 
     cfg = _config(args)
     got = ImageCache(cfg).ensure(cfg.reference(args.ref), progress=_Bar())
@@ -157,7 +157,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from tfimage.agent.cache import client_for
+    from tfimage.agent.cache.store import client_for
 
     cfg = _config(args)
     ref = cfg.reference(args.ref)
@@ -171,7 +171,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 def cmd_step_prepare(args: argparse.Namespace) -> int:
     from tfimage.agent.deadline import deadline
-    from tfimage.agent.step import LAYOUT_VARS, StepRequest, plan_step
+    from tfimage.agent.step.plan import LAYOUT_VARS, StepRequest, plan_step
 
     if os.geteuid() != 0:
         raise TfimageError("step-prepare runs as root, from the SPANK plugin")
@@ -223,7 +223,7 @@ def cmd_config_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    from tfimage.agent.daemon import serve
+    from tfimage.agent.daemon.server import serve
 
     if os.geteuid() != 0:
         raise TfimageError("daemon: runs as root on a compute or login node")
@@ -234,8 +234,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from tfimage.agent.doctor import Context, exit_status, run_checks
-    from tfimage.agent.slurmconf import slurm_conf_path
+    from tfimage.agent.cli.doctor import Context, exit_status, run_checks
+    from tfimage.agent.cli.slurmconf import slurm_conf_path
 
     ctx = Context(Path(args.config), Path(args.slurm_conf or slurm_conf_path()), login=args.login)
     findings = run_checks(ctx)
@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--slurm-conf", default="", help="slurm.conf (default $SLURM_CONF)")
     dr.set_defaults(func=cmd_doctor)
 
-    from tfimage.agent.cli_cache import register
+    from tfimage.agent.cli.cache import register
 
     register(sub, cmd_pull)
 

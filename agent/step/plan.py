@@ -12,16 +12,16 @@ import pwd
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tfimage.agent import mounts
-from tfimage.agent.binds import MountError, parse_mounts, under
-from tfimage.agent.cache import CachedImage, ImageCache
+from tfimage.agent.cache.store import CachedImage, ImageCache
 from tfimage.agent.config import Config
 from tfimage.agent.errors import ImageError, RuntimeSetupError, TfimageError
 from tfimage.agent.fsutil import write_json
 from tfimage.agent.logtext import oneline
-from tfimage.agent.runtime import Bind, Runtime, StepSpec, runtime_for
-from tfimage.agent.tfenv import StepLayoutError, task_env
-from tfimage.agent.userpath import realpaths_as
+from tfimage.agent.step import imagemount
+from tfimage.agent.step.binds import MountError, parse_mounts, under
+from tfimage.agent.step.runtime import Bind, Runtime, StepSpec, runtime_for
+from tfimage.agent.step.taskenv import StepLayoutError, task_env
+from tfimage.agent.step.userpath import realpaths_as
 
 # The only step variables the plugin passes in; everything else is ignored.
 LAYOUT_VARS = frozenset(
@@ -96,7 +96,7 @@ class JobRecord:
     def __init__(self, cfg: Config, job_id: str) -> None:
         self.cfg = cfg
         self.job_id = job_id
-        self.path = mounts.job_dir(cfg.state_dir, job_id).with_suffix(".images.json")
+        self.path = imagemount.job_dir(cfg.state_dir, job_id).with_suffix(".images.json")
 
     def _load(self) -> dict[str, dict[str, str]]:
         try:
@@ -119,7 +119,7 @@ class JobRecord:
         return self._load()["failed"].get(key)
 
     def _change(self, part: str, key: str, value: str) -> None:
-        with mounts.job_lock(self.cfg.state_dir, self.job_id):
+        with imagemount.job_lock(self.cfg.state_dir, self.job_id):
             record = self._load()
             record[part][key] = value
             if part == "pinned":
@@ -159,8 +159,10 @@ def _ready(
         if not runtime.needs_mount:
             return cached, None
         assert cached.ref.digest
-        with mounts.job_lock(cfg.state_dir, job_id):
-            image_dir = mounts.mount_image(cfg.state_dir, job_id, cached.path, cached.ref.digest)
+        with imagemount.job_lock(cfg.state_dir, job_id):
+            image_dir = imagemount.mount_image(
+                cfg.state_dir, job_id, cached.path, cached.ref.digest
+            )
         return cached, image_dir
     except Exception as e:
         if prolog and not known:
@@ -236,14 +238,14 @@ def _step_argv(
     cache: ImageCache | None,
 ) -> list[str]:
     """The argv prefix that runs a task of this step inside its image."""
-    workdir = mounts.safe_abspath(req.workdir, "working directory") if req.workdir else None
+    workdir = imagemount.safe_abspath(req.workdir, "working directory") if req.workdir else None
     binds = list(user_binds)
     for d in parse_mounts(",".join(cfg.default_mounts), ("/",)):
         # The admin's defaults: skipped where the node lacks them, and the user's win.
         if Path(d.src).exists() and not any(b.dst == d.dst for b in binds):
             binds.append(d)
     if req.script:
-        script = mounts.safe_abspath(req.script, "batch script")
+        script = imagemount.safe_abspath(req.script, "batch script")
         # The script lives in the slurmd spool, which no runtime binds by itself.
         binds.append(Bind(str(Path(script).parent), str(Path(script).parent), read_only=True))
     spec = StepSpec(workdir=workdir, home=_home_of(req.uid), binds=tuple(binds), gpus=req.gpus)
@@ -251,8 +253,8 @@ def _step_argv(
     cached, image_dir = _ready(cfg, req.job_id, req.image, runtime, cache)
     if image_dir is None:
         return runtime.prefix(cached.path, spec)
-    with mounts.job_lock(cfg.state_dir, req.job_id):
-        root = mounts.step_root(
+    with imagemount.job_lock(cfg.state_dir, req.job_id):
+        root = imagemount.step_root(
             cfg.state_dir,
             req.job_id,
             req.step_id,

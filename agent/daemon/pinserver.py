@@ -73,8 +73,8 @@ def last_seen_store(cfg: Config) -> Path:
 
 def answer(cfg: Config, req: ResolveRequest, uid: int) -> tuple[int, str, str]:
     """(status, stdout, stderr) for the plugin: see the module's docstring."""
-    from tfimage.agent.binds import parse_mounts
-    from tfimage.agent.pinning import pin
+    from tfimage.agent.step.binds import parse_mounts
+    from tfimage.agent.submit.pin import pin
 
     try:
         ref = cfg.reference(req.ref)

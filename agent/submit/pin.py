@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 from tfimage.agent.config import Config
 from tfimage.agent.errors import ReferenceError, RegistryError, RegistryUnreachable
-from tfimage.agent.lastseen import LastSeen
 from tfimage.agent.reference import Reference
+from tfimage.agent.submit.lastseen import LastSeen
 
 if TYPE_CHECKING:
-    from tfimage.agent.registry import RegistryClient
+    from tfimage.agent.registry.client import RegistryClient
 
 
 def last_seen_file() -> Path:
@@ -66,7 +66,7 @@ def pin(
             if job_ref.digest and job_ref.unpinned == ref:
                 return job_ref, None
     if client_factory is None:
-        from tfimage.agent.cache import client_for
+        from tfimage.agent.cache.store import client_for
 
         def client_factory(host: str) -> RegistryClient:
             return client_for(cfg, host, light=True)  # on srun's path: no requests

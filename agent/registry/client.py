@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from tfimage.agent.credentials import Credential
 from tfimage.agent.errors import (
     RangeUnsupported,
     RegistryError,
@@ -26,7 +25,8 @@ from tfimage.agent.errors import (
     VerificationError,
 )
 from tfimage.agent.logtext import oneline
-from tfimage.agent.transport import (
+from tfimage.agent.registry.credentials import Credential
+from tfimage.agent.registry.transport import (
     RedirectRefused,
     Response,
     TLSError,
@@ -136,7 +136,7 @@ class RegistryClient:
         self._timeout = (connect_timeout, read_timeout)
         self._attempts = max(1, attempts)
         if transport is None:
-            from tfimage.agent.transport import RequestsTransport
+            from tfimage.agent.registry.transport import RequestsTransport
 
             transport = RequestsTransport()
         self._transport = transport

@@ -11,7 +11,7 @@ Layout under ``cache_dir`` (root-owned, 0755)::
                                 of the blob, resumed from its end by the next pull
 
 A download is appended to ``tmp/`` in order (large ones come over several
-connections at once, stripes.py), checked for size, sha256 and SIF magic, fsynced,
+connections at once, download.py), checked for size, sha256 and SIF magic, fsynced,
 then renamed into ``images/``: a reader sees a whole verified image or nothing.
 """
 
@@ -41,7 +41,7 @@ from tfimage.agent.reference import Reference
 from tfimage.agent.sif import has_magic
 
 if TYPE_CHECKING:  # the registry client (and its transport) load only when needed
-    from tfimage.agent.registry import Manifest, RegistryClient
+    from tfimage.agent.registry.client import Manifest, RegistryClient
 
 Progress = Callable[[int, int], None]
 CHUNK = 1 << 20
@@ -74,14 +74,14 @@ def client_for(cfg: Config, host: str, *, light: bool = False) -> RegistryClient
     """A client for ``host`` with this node's credentials.  ``light``: the stdlib
     transport, for all a node does (no ``requests``: transport.py); pushes use the
     default."""
-    from tfimage.agent.credentials import load_credentials
-    from tfimage.agent.registry import RegistryClient
+    from tfimage.agent.registry.client import RegistryClient
+    from tfimage.agent.registry.credentials import load_credentials
 
     path = credentials_file(cfg)
     creds = load_credentials(path) if path else {}
     transport = None
     if light:
-        from tfimage.agent.transport import StdlibTransport
+        from tfimage.agent.registry.transport import StdlibTransport
 
         transport = StdlibTransport()
     return RegistryClient(
@@ -157,7 +157,7 @@ class ImageCache:
                 else:
                     # By tag: requests for the same tag at once ask the registry once
                     # (coalesce.py), then wait on the digest's lock as pinned ones do.
-                    from tfimage.agent.coalesce import resolve_tag  # hashlib: not on a hit
+                    from tfimage.agent.cache.coalesce import resolve_tag  # hashlib: not on a hit
 
                     asked: list[tuple[RegistryClient, Manifest]] = []
                     digest = resolve_tag(
@@ -212,8 +212,8 @@ class ImageCache:
     ) -> None:
         """Under the digest's lock: put the image ``pinned`` names into the cache,
         with its metadata (published together: see :meth:`_publish`)."""
-        from tfimage.agent.artifact import sif_layer
-        from tfimage.agent.convert import is_image_manifest, oci_to_sif
+        from tfimage.agent.cache.convert import is_image_manifest, oci_to_sif
+        from tfimage.agent.registry.artifact import sif_layer
 
         assert pinned.digest
         if manifest is None:
@@ -326,12 +326,12 @@ class ImageCache:
         """Fill ``tmp`` with the blob and check it (size, sha256, SIF magic), fsynced.
 
         A partial file an interrupted pull left (a crash, a kill -9, a dropped
-        connection) is a prefix of the blob (stripes.py): it is hashed, and the rest
+        connection) is a prefix of the blob (download.py): it is hashed, and the rest
         asked for, over ``connections`` connections.
         """
         import hashlib  # a cache hit, the launch path, never hashes
 
-        from tfimage.agent import stripes
+        from tfimage.agent.cache import download
 
         h = hashlib.sha256()
         head = bytearray()
@@ -341,7 +341,7 @@ class ImageCache:
             if not stat.S_ISREG(os.fstat(out.fileno()).st_mode):
                 raise CacheError(f"{tmp}: not a regular file")
             kept = os.fstat(out.fileno()).st_size
-            kept = 0 if kept > size else kept - kept % stripes.ALIGN  # O_DIRECT goes on aligned
+            kept = 0 if kept > size else kept - kept % download.ALIGN  # O_DIRECT goes on aligned
             out.truncate(kept)
 
             def consume(block: memoryview) -> None:
@@ -356,7 +356,7 @@ class ImageCache:
             while got < kept and (block := out.read(min(CHUNK, kept - got))):
                 consume(memoryview(block))
             clients = [client] + [self._client_factory(client.host) for _ in range(connections - 1)]
-            stripes.download(
+            download.download(
                 clients,
                 ref.repository,
                 digest,

@@ -28,7 +28,7 @@ import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from tfimage.agent import proc
+from tfimage.agent import toolrun
 from tfimage.agent.errors import RuntimeSetupError
 from tfimage.agent.fsutil import held
 from tfimage.agent.ids import valid_job_id, valid_step_id
@@ -103,7 +103,7 @@ def mount_image(state_dir: str, job_id: str, sif: Path, digest: str) -> Path:
     _mkdirs(Path(state_dir), target)
     with sif.open("rb") as f:
         part = root_partition(f, sif.stat().st_size)
-    proc.run(
+    toolrun.run(
         [
             "squashfuse",
             "-o",
@@ -132,14 +132,14 @@ def step_root(
             return root
         # A task found its working directory missing: rebuild before it enters.
         try:
-            proc.run(["umount", str(root)], timeout=MOUNT_TIMEOUT, what="remounting")
+            toolrun.run(["umount", str(root)], timeout=MOUNT_TIMEOUT, what="remounting")
         except RuntimeSetupError:
-            proc.run(["umount", "-l", str(root)], timeout=MOUNT_TIMEOUT, what="remounting")
+            toolrun.run(["umount", "-l", str(root)], timeout=MOUNT_TIMEOUT, what="remounting")
     _mkdirs(Path(state_dir), base, TRAVERSE_ONLY)
     for p in wanted:
         _mkdirs(Path(state_dir), skel / p)
     _mkdirs(Path(state_dir), root)
-    proc.run(
+    toolrun.run(
         [
             "mount",
             "-t",
@@ -168,11 +168,11 @@ def release_job(state_dir: str, job_id: str) -> list[str]:
     stuck = []
     for target in sorted(targets, key=len, reverse=True):
         try:
-            proc.run(["umount", target], timeout=MOUNT_TIMEOUT, what="unmounting")
+            toolrun.run(["umount", target], timeout=MOUNT_TIMEOUT, what="unmounting")
         except RuntimeSetupError:
             stuck.append(target)
             with contextlib.suppress(RuntimeSetupError):
-                proc.run(["umount", "-l", target], timeout=MOUNT_TIMEOUT, what="unmounting")
+                toolrun.run(["umount", "-l", target], timeout=MOUNT_TIMEOUT, what="unmounting")
     if base.exists() and not any(mounted(Path(t)) for t in targets):
         shutil.rmtree(base, ignore_errors=True)
     for leftover in (f"{base}.lock", f"{base}.images.json"):

@@ -65,6 +65,8 @@ def _ranges(body: str, text: str, limit: int) -> tuple[list[tuple[int, int, int]
     expanded, and no more than ``limit`` names' worth even parsed."""
     out = []
     count = 0
+    if body.count(",") >= limit:  # each item names a node at least
+        return out, limit + 1
     for item in body.split(","):
         m = re.fullmatch(r"(\d{1,9})(?:-(\d{1,9}))?", item)
         if not m:

@@ -1,0 +1,2 @@
+"""The node's image cache: the store, downloads, tag coalescing, eviction and
+OCI-to-SIF conversion."""

@@ -1,0 +1,1 @@
+"""The `tfimage` command: operators' commands, doctor, and the plugin's hidden ones."""

@@ -1,0 +1,1 @@
+"""A job step on a node: its plan, runtimes, image mounts, binds, task environment."""

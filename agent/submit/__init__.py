@@ -1,0 +1,1 @@
+"""Submit side: pinning a tag to its digest, and the last digests seen for outages."""
