@@ -3,13 +3,22 @@
     TfimageError                 base; ``str(e)`` is a one-line message for a person
     +-- ConfigError              bad or unreadable config file              (exit 2)
     +-- CredentialsError         credentials file unsafe or malformed       (exit 2)
-    +-- ReferenceError           malformed or disallowed image reference    (exit 2)
+    +-- InputError               a user's input is wrong: final, whoever    (exit 2)
+    |   |                        checks it (the pin server answers 2, the
+    |   |                        plugin rejects the submission)
+    |   +-- ImageReferenceError  malformed or disallowed image reference
+    |   +-- BindError            a bad --tf-mount (or an admin's default bind)
+    |   +-- StepLayoutError      a step's Slurm variables missing, inconsistent
+    |                            or larger than step_max_tasks
+    +-- RequestError             a daemon request not of its one shape      (exit 1)
     +-- ImageError               the image can't be had; never drains a node (exit 3)
     |   +-- RegistryError        auth refused, not found, bad answer
     |   |   +-- RegistryUnreachable  no answer (connection, timeout, 5xx) after retries
     |   |   +-- RangeUnsupported     Range answered with the whole blob (caller streams it)
     |   +-- VerificationError    size, digest, media type or SIF magic wrong
     |   +-- CacheError           the node cache can't store or publish it
+    |   +-- UnsafeImage          a link (or a non-directory) where tfimage must
+    |   |                        write into an unpacked image
     |   +-- DeadlineExceeded     not ready within the config's hook_deadline
     +-- RuntimeSetupError        mounting or preparing the runtime failed   (exit 3)
     +-- NodeFault                the node's own hardware is faulty (a GPU)  (exit 1)
@@ -36,8 +45,24 @@ class CredentialsError(TfimageError):
     exit_code = 2
 
 
-class ReferenceError(TfimageError):
+class InputError(TfimageError):
     exit_code = 2
+
+
+class ImageReferenceError(InputError):
+    pass
+
+
+class BindError(InputError):
+    pass
+
+
+class StepLayoutError(InputError):
+    pass
+
+
+class RequestError(TfimageError):
+    pass
 
 
 class ImageError(TfimageError):
@@ -61,6 +86,10 @@ class VerificationError(ImageError):
 
 
 class CacheError(ImageError):
+    pass
+
+
+class UnsafeImage(ImageError):  # noqa: N818 - it names what the image is
     pass
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tfimage.agent.errors import ReferenceError
+from tfimage.agent.errors import ImageReferenceError
 
 MAX_REFERENCE = 512
 MAX_REPOSITORY = 255
@@ -68,19 +68,19 @@ class Reference:
     def pinned(self, digest: str) -> Reference:
         """This reference with ``digest`` attached (the tag is kept for the record)."""
         if not _DIGEST.match(digest):
-            raise ReferenceError(f"not a sha256 digest: {digest!r}")
+            raise ImageReferenceError(f"not a sha256 digest: {digest!r}")
         return Reference(self.registry, self.repository, self.tag, digest, self.transport)
 
 
-def _fail(text: str, why: str) -> ReferenceError:
+def _fail(text: str, why: str) -> ImageReferenceError:
     shown = text if len(text) <= 80 else text[:77] + "..."
-    return ReferenceError(f"invalid image reference {shown!r}: {why}")
+    return ImageReferenceError(f"invalid image reference {shown!r}: {why}")
 
 
 def parse_reference(text: str, default_registry: str, default_project: str) -> Reference:
-    """Parse ``text`` strictly; raise :class:`ReferenceError` naming the problem."""
+    """Parse ``text`` strictly; raise :class:`ImageReferenceError` naming the problem."""
     if not isinstance(text, str):
-        raise ReferenceError("image reference must be a string")
+        raise ImageReferenceError("image reference must be a string")
     if not text:
         raise _fail(text, "it is empty")
     if len(text) > MAX_REFERENCE:
@@ -146,6 +146,6 @@ def parse_reference(text: str, default_registry: str, default_project: str) -> R
 def check_allowed(ref: Reference, allowed: tuple[str, ...]) -> None:
     """Refuse registries that are not on the admin's allowlist."""
     if ref.registry not in allowed:
-        raise ReferenceError(
+        raise ImageReferenceError(
             f"registry {ref.registry!r} is not allowed here (allowed: {', '.join(allowed)})"
         )

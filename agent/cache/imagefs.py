@@ -21,12 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tfimage.agent.errors import ImageError
-
-
-class UnsafeImage(ImageError):  # noqa: N818 - it names what the image is
-    """The image has a link (or a non-directory) where tfimage must write."""
-
+from tfimage.agent.errors import UnsafeImage
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 

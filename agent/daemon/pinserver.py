@@ -34,15 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tfimage.agent.config import Config
-from tfimage.agent.errors import ReferenceError, TfimageError
+from tfimage.agent.errors import InputError, RequestError, TfimageError
 
 MAX_REQUEST = 16384
 MAX_FIELD = 4096
 RETRY_YOURSELF = 75  # EX_TEMPFAIL: the plugin pins with the user's own view instead
-
-
-class RequestError(TfimageError):
-    """A request not of the one accepted shape."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +75,7 @@ def answer(cfg: Config, req: ResolveRequest, uid: int) -> tuple[int, str, str]:
     try:
         ref = cfg.reference(req.ref)
         parse_mounts(req.mounts, cfg.mount_prefixes)
-    except ReferenceError as e:
+    except InputError as e:
         return 2, "", f"tfimage: {e}\n"
     try:
         pinned, warning = pin(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from tfimage.agent.errors import ReferenceError
+from tfimage.agent.errors import BindError
 from tfimage.agent.step.runtime import Bind
 
 MAX_MOUNTS = 32
@@ -20,13 +20,9 @@ _RESERVED = tuple(
 )
 
 
-class MountError(ReferenceError):
-    """A bad ``--tf-mount``: exit 2, one line, like a bad reference."""
-
-
 def _path(p: str, what: str, spec: str) -> str:
     if not p.startswith("/") or os.path.normpath(p) != p or p.startswith("//") or "\0" in p:
-        raise MountError(f"--tf-mount {spec!r}: {what} {p!r} must be a normal absolute path")
+        raise BindError(f"--tf-mount {spec!r}: {what} {p!r} must be a normal absolute path")
     return p
 
 
@@ -36,32 +32,32 @@ def under(path: str, prefix: str) -> bool:
 
 
 def parse_mounts(text: str, allowed_prefixes: tuple[str, ...]) -> list[Bind]:
-    """Parse a comma-separated mount list; raise :class:`MountError` naming the problem."""
+    """Parse a comma-separated mount list; raise :class:`BindError` naming the problem."""
     if not text:
         return []
     items = text.split(",")
     if len(items) > MAX_MOUNTS:
-        raise MountError(f"--tf-mount: at most {MAX_MOUNTS} mounts")
+        raise BindError(f"--tf-mount: at most {MAX_MOUNTS} mounts")
     out: list[Bind] = []
     for spec in items:
         parts = spec.split(":")
         if len(parts) not in (2, 3) or any(not p for p in parts):
-            raise MountError(f"--tf-mount {spec!r}: expected SRC:DST or SRC:DST:ro|rw")
+            raise BindError(f"--tf-mount {spec!r}: expected SRC:DST or SRC:DST:ro|rw")
         src, dst = _path(parts[0], "source", spec), _path(parts[1], "destination", spec)
         mode = parts[2] if len(parts) == 3 else "rw"
         if mode not in ("ro", "rw"):
-            raise MountError(f"--tf-mount {spec!r}: mode must be ro or rw, not {mode!r}")
+            raise BindError(f"--tf-mount {spec!r}: mode must be ro or rw, not {mode!r}")
         if not any(under(src, p) for p in allowed_prefixes):
-            raise MountError(
+            raise BindError(
                 f"--tf-mount {spec!r}: source {src} is outside the allowed prefixes "
                 f"({', '.join(allowed_prefixes) or 'none configured'})"
             )
         if any(under(r, dst) or (r != "/" and under(dst, r)) for r in _RESERVED):
-            raise MountError(
+            raise BindError(
                 f"--tf-mount {spec!r}: destination {dst} would cover a system "
                 "directory of the image"
             )
         if any(b.dst == dst for b in out):
-            raise MountError(f"--tf-mount: destination {dst} is given twice")
+            raise BindError(f"--tf-mount: destination {dst} is given twice")
         out.append(Bind(src, dst, read_only=(mode == "ro")))
     return out

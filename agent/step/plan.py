@@ -14,13 +14,19 @@ from pathlib import Path
 
 from tfimage.agent.cache.store import CachedImage, ImageCache
 from tfimage.agent.config import Config
-from tfimage.agent.errors import ImageError, RuntimeSetupError, TfimageError
+from tfimage.agent.errors import (
+    BindError,
+    ImageError,
+    RuntimeSetupError,
+    StepLayoutError,
+    TfimageError,
+)
 from tfimage.agent.fsutil import write_json
 from tfimage.agent.logtext import oneline
 from tfimage.agent.step import imagemount
-from tfimage.agent.step.binds import MountError, parse_mounts, under
+from tfimage.agent.step.binds import parse_mounts, under
 from tfimage.agent.step.runtime import Bind, Runtime, StepSpec, runtime_for
-from tfimage.agent.step.taskenv import StepLayoutError, task_env
+from tfimage.agent.step.taskenv import task_env
 from tfimage.agent.step.userpath import realpaths_as
 
 # The only step variables the plugin passes in; everything else is ignored.
@@ -222,7 +228,7 @@ def _resolved(cfg: Config, uid: int, binds: list[Bind]) -> list[Bind]:
             out.append(b)
             continue
         if not any(under(real, p) for p in cfg.mount_prefixes):
-            raise MountError(
+            raise BindError(
                 f"--tf-mount {b.src}: it leads to {oneline(real)}, outside the allowed "
                 f"prefixes ({', '.join(cfg.mount_prefixes)})"
             )

@@ -28,16 +28,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tfimage.agent.errors import TfimageError
+from tfimage.agent.errors import StepLayoutError
 from tfimage.agent.logtext import oneline
 
 MAX_HOSTS = 65536
-
-
-class StepLayoutError(TfimageError):
-    """The step's Slurm variables are missing or inconsistent."""
-
-    exit_code = 2
 
 
 def _split_top(text: str) -> Iterator[str]:
@@ -63,7 +57,7 @@ def _split_top(text: str) -> Iterator[str]:
 def _ranges(body: str, text: str, limit: int) -> tuple[list[tuple[int, int, int]], int]:
     """A bracket's ranges as (lo, hi, width), and how many names they make; nothing
     expanded, and no more than ``limit`` names' worth even parsed."""
-    out = []
+    out: list[tuple[int, int, int]] = []
     count = 0
     if body.count(",") >= limit:  # each item names a node at least
         return out, limit + 1

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tfimage.agent.config import Config
-from tfimage.agent.errors import ReferenceError, RegistryError, RegistryUnreachable
+from tfimage.agent.errors import ImageReferenceError, RegistryError, RegistryUnreachable
 from tfimage.agent.reference import Reference
 from tfimage.agent.submit.lastseen import LastSeen
 
@@ -61,7 +61,7 @@ def pin(
     if ref.digest:
         return ref, None
     if job_image:
-        with contextlib.suppress(ReferenceError):
+        with contextlib.suppress(ImageReferenceError):
             job_ref = cfg.reference(job_image)
             if job_ref.digest and job_ref.unpinned == ref:
                 return job_ref, None

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from tfimage.agent.step.binds import MountError, parse_mounts
+from tfimage.agent.errors import BindError
+from tfimage.agent.step.binds import parse_mounts
 from tfimage.agent.step.runtime import Bind
 
 PREFIXES = ("/home", "/data")
@@ -33,6 +34,6 @@ def test_valid_mounts() -> None:
     ],
 )
 def test_bad_mounts_name_the_problem(text: str, why: str) -> None:
-    with pytest.raises(MountError, match=why) as e:
+    with pytest.raises(BindError, match=why) as e:
         parse_mounts(text, PREFIXES)
     assert "\n" not in str(e.value)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from tfimage.agent.config import load_config
-from tfimage.agent.errors import ConfigError, ReferenceError
+from tfimage.agent.errors import ConfigError, ImageReferenceError
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -18,7 +18,7 @@ def test_defaults_and_allowlist(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, "registry: reg.site\nmirrors: [m1.site, m2.site]\n"))
     assert cfg.allowlist == ("reg.site", "m1.site", "m2.site")
     assert str(cfg.reference("tiny:1")) == "reg.site/library/tiny:1"
-    with pytest.raises(ReferenceError, match="not allowed"):
+    with pytest.raises(ImageReferenceError, match="not allowed"):
         cfg.reference("other.site/x/y:1")
 
 

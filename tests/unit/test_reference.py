@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tfimage.agent.errors import ReferenceError
+from tfimage.agent.errors import ImageReferenceError
 from tfimage.agent.reference import Reference, check_allowed, parse_reference
 
 REG, PROJ = "harbor.example", "library"
@@ -59,7 +59,7 @@ def test_accepted_forms_expand_to_canonical(text: str, canonical: str) -> None:
     ],
 )
 def test_malformed_references_name_the_problem(text: str, why: str) -> None:
-    with pytest.raises(ReferenceError) as e:
+    with pytest.raises(ImageReferenceError) as e:
         p(text)
     msg = str(e.value)
     assert why in msg
@@ -69,14 +69,14 @@ def test_malformed_references_name_the_problem(text: str, why: str) -> None:
 
 def test_allowlist_rejects_other_registries() -> None:
     check_allowed(p("tiny:1"), (REG,))
-    with pytest.raises(ReferenceError, match="not allowed"):
+    with pytest.raises(ImageReferenceError, match="not allowed"):
         check_allowed(p("evil.example/x/y:1"), (REG,))
 
 
 def test_pinned_keeps_tag_and_adds_digest() -> None:
     r = p("tiny:1.0").pinned(D)
     assert (r.tag, r.digest, r.version) == ("1.0", D, D)
-    with pytest.raises(ReferenceError):
+    with pytest.raises(ImageReferenceError):
         p("tiny:1.0").pinned("sha256:nothex")
 
 
@@ -84,7 +84,7 @@ def test_pinned_keeps_tag_and_adds_digest() -> None:
 def test_parser_never_raises_anything_but_its_own_error(text: str) -> None:
     try:
         r = p(text)
-    except ReferenceError:
+    except ImageReferenceError:
         return
     assert p(str(r)) == r
 

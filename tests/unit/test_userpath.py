@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tfimage.agent.config import Config
-from tfimage.agent.step.binds import MountError, parse_mounts
+from tfimage.agent.errors import BindError
+from tfimage.agent.step.binds import parse_mounts
 from tfimage.agent.step.plan import _resolved
 from tfimage.agent.step.userpath import realpaths_as
 
@@ -45,7 +46,7 @@ def test_a_link_under_an_allowed_prefix_leading_out_of_it_is_refused(tree: Path)
     d = tree / "data"
     cfg = Config(registry="r.invalid", mount_prefixes=(str(d),))
     binds = parse_mounts(f"{d / 'etc'}:/mnt/etc,{d / 'in'}:/mnt/in", cfg.mount_prefixes)
-    with pytest.raises(MountError, match=r"leads to /etc, outside the allowed prefixes"):
+    with pytest.raises(BindError, match=r"leads to /etc, outside the allowed prefixes"):
         _resolved(cfg, NOBODY, binds)
     ok = _resolved(cfg, NOBODY, parse_mounts(f"{d / 'in'}:/mnt/in:ro", cfg.mount_prefixes))
     assert [(b.src, b.dst, b.read_only) for b in ok] == [(str(d / "real"), "/mnt/in", True)]
