@@ -290,7 +290,7 @@ def main(env: dict[str, str], runs: int) -> None:
                     "size": 1 << 30,
                     "created": 0,
                     "last_used": i,
-                    "pinned": False,
+                    "kept": False,
                     "holders": [],
                 }
             )

@@ -1,7 +1,8 @@
-"""Eviction and the operator's cache maintenance: usage, prune, verify, pins.
+"""Eviction: usage, prune, remove, and what is left over (stale holders,
+interrupted downloads, orphans).
 
 Prune starts at the high watermark and stops at the low one, least recently used
-first.  It never takes a pinned entry, one a running job holds, or one used more
+first.  It never takes a kept entry (keep.py), one a running job holds, or one used more
 recently than the minimum age.  A holder whose job has left this node (its state
 under ``state_dir/jobs`` is gone, e.g. after a crash or a reboot) is reclaimed, and
 so is an interrupted download nobody resumed within the minimum age.
@@ -10,17 +11,16 @@ so is an interrupted download nobody resumed within the minimum age.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.cache.store import CHUNK, ImageCache
+from tfimage.agent.cache.keep import is_kept
+from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.errors import CacheError
 from tfimage.agent.fsutil import held
-from tfimage.agent.sif import has_magic
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def reclaim_holders(cache: ImageCache) -> int:
 
 
 def remove(cache: ImageCache, digest: str, *, force: bool = False) -> None:
-    """Remove one entry; refuses one a running job holds, and a pinned one unless forced."""
+    """Remove one entry; refuses one a running job holds, and a kept one unless forced."""
     with cache.lock(digest):
         meta = cache.read_meta(digest)
         if not cache.path_of(digest).exists():
@@ -73,8 +73,8 @@ def remove(cache: ImageCache, digest: str, *, force: bool = False) -> None:
         holders = [h for h in meta.get("holders", []) if live_job(cache, h)]
         if holders:
             raise CacheError(f"{digest[:19]} is held by running job(s) {', '.join(holders)}")
-        if meta.get("pinned") and not force:
-            raise CacheError(f"{digest[:19]} is pinned; unpin it or use --force")
+        if is_kept(meta) and not force:
+            raise CacheError(f"{digest[:19]} is kept; unkeep it or use --force")
         # Unlinking is safe even while mounted: a reader keeps its open file.
         cache.path_of(digest).unlink()
         with contextlib.suppress(FileNotFoundError):
@@ -97,7 +97,7 @@ def prune(
     for meta in sorted(cache.entries(), key=lambda m: float(m.get("last_used", 0))):
         if used <= target:
             break
-        if meta.get("pinned") or any(live_job(cache, h) for h in meta.get("holders", [])):
+        if is_kept(meta) or any(live_job(cache, h) for h in meta.get("holders", [])):
             continue
         if now - float(meta.get("last_used", 0)) < cfg.cache_min_age:
             continue
@@ -105,7 +105,7 @@ def prune(
             try:
                 remove(cache, meta["digest"])
             except CacheError:
-                continue  # held or pinned since we looked
+                continue  # held or kept since we looked
         used -= int(meta.get("size", 0))
         gone.append(meta)
     return gone
@@ -150,40 +150,3 @@ def orphans(cache: ImageCache, *, dry_run: bool = False) -> list[Path]:
                 path.unlink()
             gone.append(path)
     return gone
-
-
-def verify(cache: ImageCache) -> list[tuple[str, str]]:
-    """Re-hash every entry; returns (digest, problem) for each bad one, and for
-    each orphan (an image without metadata, or metadata without its image)."""
-    bad = [
-        (
-            p.stem.replace("-", ":", 1),
-            "image without metadata (cache prune removes it)"
-            if p.suffix == ".sif"
-            else "metadata without its image (cache prune removes it)",
-        )
-        for p in cache.orphans()
-    ]
-    for meta in cache.entries():
-        path = cache.path_of(meta["digest"])
-        try:
-            h = hashlib.sha256()
-            with path.open("rb") as f:
-                head = f.read(64)
-                h.update(head)
-                while block := f.read(CHUNK):
-                    h.update(block)
-        except OSError as e:
-            bad.append((meta["digest"], f"unreadable: {e.strerror}"))
-            continue
-        if not has_magic(head):
-            bad.append((meta["digest"], "not a SIF file"))
-        elif meta.get("blob") and "sha256:" + h.hexdigest() != meta["blob"]:
-            bad.append((meta["digest"], "content does not match its sha256"))
-    return bad
-
-
-def set_pinned(cache: ImageCache, digest: str, pinned: bool) -> None:
-    if not cache.path_of(digest).exists():
-        raise CacheError(f"{digest[:19]} is not in the cache")
-    cache.update_meta(digest, lambda m: m.__setitem__("pinned", pinned))

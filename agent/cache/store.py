@@ -3,7 +3,7 @@
 Layout under ``cache_dir`` (root-owned, 0755)::
 
     images/sha256-<hex>.sif     published images, mode 0444, never rewritten
-    images/sha256-<hex>.json    metadata: refs, size, created, last_used, pinned,
+    images/sha256-<hex>.json    metadata: refs, size, created, last_used, kept,
                                 holders (jobs), blob, source (who served it)
     locks/sha256-<hex>.lock     one flock per digest, so one download per image
     tmp/                        downloads in progress, same filesystem as images/
@@ -122,7 +122,7 @@ class ImageCache:
     @contextlib.contextmanager
     def lock(self, name: str) -> Iterator[None]:
         """Hold ``locks/<name>.lock``: a digest's (one download per image, one metadata
-        change at a time) or another of the cache's (``pins``)."""
+        change at a time) or another of the cache's (``keep``)."""
         with held(self.root / "locks" / f"{_key(name)}.lock"):
             yield
 
@@ -402,7 +402,7 @@ class ImageCache:
             "created": time.time(),
             "last_used": 0.0,
             "size": 0,
-            "pinned": False,
+            "kept": False,
             "holders": [],
         }
         return {**base, **meta} if isinstance(meta, dict) else base

@@ -1,7 +1,8 @@
 """``tfimage cache ...``: the operator's view of one node's image cache.
 
 Exit codes as for ``tfimage``; ``verify`` exits 1 when an entry is bad, ``warm``
-when a pinned image could not be fetched.
+when a kept image could not be fetched.  ``keep``/``unkeep`` were ``pin``/``unpin``
+(which still work, hidden, with a line saying so, until the next release).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tfimage.agent.config import Config, load_config
@@ -27,27 +27,6 @@ def _cache(args: argparse.Namespace) -> ImageCache:
     from tfimage.agent.cache.store import ImageCache
 
     return ImageCache(load_config(args.config))
-
-
-def _pins_file(cache: ImageCache) -> Path:
-    return cache.root / "pins.json"
-
-
-def _pins(cache: ImageCache) -> list[str]:
-    try:
-        pins = json.loads(_pins_file(cache).read_text())
-    except (OSError, ValueError):
-        return []
-    return [p for p in pins if isinstance(p, str)] if isinstance(pins, list) else []
-
-
-def _change_pins(cache: ImageCache, change: Callable[[list[str]], list[str]]) -> None:
-    """Read, change and replace the pins list under its lock: two operators (or an
-    operator and the warm timer) at once lose neither's pin."""
-    cache.make_dirs()
-    with cache.lock("pins"):
-        pins = sorted(set(change(_pins(cache))))
-        cache.write_json(_pins_file(cache), pins, what="the pins", durable=True)
 
 
 def _digest_of(cache: ImageCache, cfg: Config, what: str) -> str:
@@ -76,14 +55,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(entries, sort_keys=True))
         return 0
-    print(f"{'DIGEST':<19}  {'SIZE':>9}  {'LAST USED':<19}  {'PIN':<3}  {'HELD BY':<10}  REFS")
+    from tfimage.agent.cache.keep import is_kept
+
+    print(f"{'DIGEST':<19}  {'SIZE':>9}  {'LAST USED':<19}  {'KEEP':<4}  {'HELD BY':<10}  REFS")
     for e in sorted(entries, key=lambda e: -float(e.get("last_used", 0))):
         used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e.get("last_used", 0))))
         size = f"{int(e.get('size', 0)) / (1 << 20):.1f}M"
         held = ",".join(e.get("holders", [])) or "-"
-        pin = "yes" if e.get("pinned") else "-"
+        keep = "yes" if is_kept(e) else "-"
         print(
-            f"{str(e['digest'])[:19]:<19}  {size:>9}  {used:<19}  {pin:<3}  {held:<10}  "
+            f"{str(e['digest'])[:19]:<19}  {size:>9}  {used:<19}  {keep:<4}  {held:<10}  "
             f"{', '.join(e.get('refs', []))}"
         )
     return 0
@@ -149,7 +130,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from tfimage.agent.cache.evict import verify
+    from tfimage.agent.cache.verify import verify
 
     bad = verify(_cache(args))
     _out(
@@ -160,38 +141,52 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _pin(args: argparse.Namespace, pinned: bool) -> int:
-    from tfimage.agent.cache.evict import set_pinned
+def _keep(args: argparse.Namespace, keep: bool) -> int:
+    from tfimage.agent.cache.keep import change_kept_refs, set_kept
 
     cache = _cache(args)
     cfg = cache.cfg
     ref = cfg.reference(args.image)
-    if pinned:
+    if keep:
         got = cache.ensure(ref)
         assert got.ref.digest
-        set_pinned(cache, got.ref.digest, True)
-        _change_pins(cache, lambda pins: [*pins, str(ref)])
-        _out(args, {"pinned": str(got.ref)}, f"pinned {got.ref}")
+        set_kept(cache, got.ref.digest, True)
+        change_kept_refs(cache, lambda refs: [*refs, str(ref)])
+        _out(args, {"kept": str(got.ref)}, f"kept {got.ref}")
         return 0
     digest = _digest_of(cache, cfg, args.image)
-    set_pinned(cache, digest, False)
-    _change_pins(cache, lambda pins: [p for p in pins if p != str(ref)])
-    _out(args, {"unpinned": digest}, f"unpinned {digest}")
+    set_kept(cache, digest, False)
+    change_kept_refs(cache, lambda refs: [r for r in refs if r != str(ref)])
+    _out(args, {"unkept": digest}, f"unkept {digest}")
     return 0
 
 
+def _renamed(old: str, new: str, handler: Handler) -> Handler:
+    """The old spelling of a renamed action: works, and says so."""
+
+    def run(args: argparse.Namespace) -> int:
+        print(
+            f"tfimage: 'cache {old}' is now 'cache {new}' ('pin' means a tag fixed to its "
+            "digest at submit); the old name goes in the next release",
+            file=sys.stderr,
+        )
+        return handler(args)
+
+    return run
+
+
 def cmd_warm(args: argparse.Namespace) -> int:
-    """For a timer: fetch every pinned image (a moved tag brings its new bytes)."""
-    from tfimage.agent.cache.evict import set_pinned
+    """For a timer: fetch every kept image (a kept tag that moved brings its new bytes)."""
+    from tfimage.agent.cache.keep import kept_refs, set_kept
 
     cache = _cache(args)
     failed = 0
     rows = []
-    for text in _pins(cache):
+    for text in kept_refs(cache):
         try:
             got = cache.ensure(cache.cfg.reference(text))
             assert got.ref.digest
-            set_pinned(cache, got.ref.digest, True)
+            set_kept(cache, got.ref.digest, True)
             rows.append({"ref": text, "digest": got.ref.digest, "hit": got.hit})
         except TfimageError as e:
             failed += 1
@@ -205,13 +200,13 @@ def cmd_warm(args: argparse.Namespace) -> int:
             for r in rows
             if "digest" in r
         )
-        or "no pinned images",
+        or "no kept images",
     )
     return 1 if failed else 0
 
 
 EXIT_CODES = (
-    "Exit codes: 0 ok, 1 error (verify: an entry is bad; warm: a pinned image could "
+    "Exit codes: 0 ok, 1 error (verify: an entry is bad; warm: a kept image could "
     "not be fetched), 2 bad config, credentials or reference, 3 the image could not "
     "be pulled, 70 internal error."
 )
@@ -230,21 +225,33 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], pull: Han
         p.set_defaults(func=handler)
         return p
 
-    add("ls", cmd_ls, "list cached images: size, last use, pin, holding jobs, refs")
+    add("ls", cmd_ls, "list cached images: size, last use, kept, holding jobs, refs")
     add("pull", pull, "pull an image into the cache").add_argument(
         "ref", help="image reference, e.g. tf-custom:2.0 or project/name@sha256:..."
     )
     rm = add("rm", cmd_rm, "remove an image (never one a running job holds)")
     rm.add_argument("image", help=_IMAGE)
-    rm.add_argument("--force", action="store_true", help="remove even if pinned")
+    rm.add_argument("--force", action="store_true", help="remove even if kept")
     pr = add("prune", cmd_prune, "evict least recently used images down to the low watermark")
     pr.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
-    add(
-        "pin", lambda a: _pin(a, True), "pull an image and keep it (never evicted, kept warm)"
-    ).add_argument("image", help="image reference to pull and keep, e.g. tf-custom:2.0")
-    add("unpin", lambda a: _pin(a, False), "let an image be evicted again").add_argument(
-        "image", help="image reference that was pinned"
+    def keep(a: argparse.Namespace) -> int:
+        return _keep(a, True)
+
+    def unkeep(a: argparse.Namespace) -> int:
+        return _keep(a, False)
+
+    keep_help = "pull an image and keep it (never evicted, fetched again by warm)"
+    add("keep", keep, keep_help).add_argument(
+        "image", help="image reference to pull and keep, e.g. tf-custom:2.0"
     )
+    add("unkeep", unkeep, "let an image be evicted again").add_argument(
+        "image", help="image reference that was kept"
+    )
+    for old, new, handler in (("pin", "keep", keep), ("unpin", "unkeep", unkeep)):
+        hidden = csub.add_parser(old, description=f"the old name of 'cache {new}'")
+        hidden.add_argument("--json", action="store_true", help="machine-readable output")
+        hidden.add_argument("image", help="image reference")
+        hidden.set_defaults(func=_renamed(old, new, handler))
     add("verify", cmd_verify, "re-check every image's sha256 and SIF magic")
     add("du", cmd_du, "cache size and filesystem usage against the watermarks")
-    add("warm", cmd_warm, "fetch every pinned image (for a timer or cron)")
+    add("warm", cmd_warm, "fetch every kept image (for a timer or cron)")

@@ -64,7 +64,7 @@ def test_help_explains_every_command() -> None:
     for cmd in ("resolve", "pull", "push", "cache"):
         assert cmd in top.stdout
         assert tfimage(cmd, "--help").returncode == 0
-    actions = ("ls", "pull", "rm", "prune", "pin", "unpin", "verify", "du", "warm")
+    actions = ("ls", "pull", "rm", "prune", "keep", "unkeep", "verify", "du", "warm")
     listing = tfimage("cache", "--help").stdout
     for action in actions:
         assert action in listing

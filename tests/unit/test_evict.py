@@ -1,9 +1,11 @@
-"""Eviction, holders, pins, verify and warm on a real cache fed by a real registry."""
+"""Eviction, holders, the keep list, verify and warm on a real cache fed by a real
+registry."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from support import Registry
-from tfimage.agent.cache.evict import prune, remove, set_pinned, usage, verify
+from tfimage.agent.cache.evict import prune, remove, usage
+from tfimage.agent.cache.keep import kept_refs, set_kept
+from tfimage.agent.cache.verify import verify
 from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.config import load_config
 from tfimage.agent.errors import CacheError
@@ -66,12 +70,12 @@ def hold(cache: ImageCache, digest: str, job: str, live: bool) -> None:
         (jobs / f"{job}.images.json").write_text("{}")
 
 
-def test_prune_lru_never_pinned_held_or_young(
+def test_prune_lru_never_kept_held_or_young(
     filled: tuple[ImageCache, dict[str, str], Path],
 ) -> None:
     cache, d, cfg_path = filled
     cache = limited(cfg_path, cache, 0.95)  # above the 85% high watermark
-    set_pinned(cache, d["a"], True)  # oldest, but pinned
+    set_kept(cache, d["a"], True)  # oldest, but kept
     hold(cache, d["b"], "77", live=True)  # next oldest, held by a running job
     cache.update_meta(d["d"], lambda m: m.__setitem__("last_used", time.time()))  # young
     gone = [g["digest"] for g in prune(cache)]
@@ -92,13 +96,13 @@ def test_stale_holder_is_reclaimed(filled: tuple[ImageCache, dict[str, str], Pat
     assert [g["digest"] for g in prune(cache)] == [d["a"]]
 
 
-def test_rm_refuses_held_and_pinned(filled: tuple[ImageCache, dict[str, str], Path]) -> None:
+def test_rm_refuses_held_and_kept(filled: tuple[ImageCache, dict[str, str], Path]) -> None:
     cache, d, _ = filled
     hold(cache, d["a"], "5", live=True)
     with pytest.raises(CacheError, match="held by running job"):
         remove(cache, d["a"])
-    set_pinned(cache, d["b"], True)
-    with pytest.raises(CacheError, match="pinned"):
+    set_kept(cache, d["b"], True)
+    with pytest.raises(CacheError, match="kept"):
         remove(cache, d["b"])
     remove(cache, d["b"], force=True)
     assert not cache.path_of(d["b"]).exists()
@@ -127,7 +131,7 @@ def test_verify_finds_a_corrupted_image(filled: tuple[ImageCache, dict[str, str]
     ]
 
 
-def test_pin_and_warm_follow_a_moved_tag(
+def test_keep_and_warm_follow_a_moved_tag(
     registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
 ) -> None:
     up = registry.client()
@@ -137,45 +141,87 @@ def test_pin_and_warm_follow_a_moved_tag(
     def tfimage(*args: str) -> subprocess.CompletedProcess[str]:
         return cache_cli(cfg, *args)
 
-    assert tfimage("pin", "warm:1").returncode == 0
+    assert tfimage("keep", "warm:1").returncode == 0
     new = up.push_sif("library/warm", "1", make_sif({"v": "2"}))
     r = tfimage("warm", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)[0]["digest"] == new
     entries = json.loads(tfimage("ls", "--json").stdout)
-    assert {e["digest"]: e["pinned"] for e in entries}[new] is True
-    assert len(entries) == 2  # the old bytes stay, pinned too, until unpinned
+    assert {e["digest"]: e["kept"] for e in entries}[new] is True
+    assert len(entries) == 2  # the old bytes stay, kept too, until unkept
 
 
-def test_concurrent_pins_lose_none(filled: tuple[ImageCache, dict[str, str], Path]) -> None:
-    """Operators (or the warm timer) changing pins at once: each change waits for the
-    pins lock, and none is lost."""
+def test_the_old_pin_spelling_still_keeps_and_says_so(
+    filled: tuple[ImageCache, dict[str, str], Path],
+) -> None:
+    cache, d, cfg_path = filled
+    r = cache_cli(cfg_path, "pin", "eva:1")
+    assert r.returncode == 0 and "is now 'cache keep'" in r.stderr
+    assert cache.read_meta(d["a"])["kept"] is True
+    r = cache_cli(cfg_path, "unpin", "eva:1")
+    assert r.returncode == 0 and "is now 'cache unkeep'" in r.stderr
+    assert cache.read_meta(d["a"])["kept"] is False
+    listing = cache_cli(cfg_path, "--help").stdout
+    assert re.search(r"^\s+keep\s", listing, re.M)
+    assert not re.search(r"^\s+(pin|unpin)\s", listing, re.M)  # hidden
+
+
+def test_what_an_older_tfimage_kept_stays_kept(
+    filled: tuple[ImageCache, dict[str, str], Path],
+) -> None:
+    """pins.json and "pinned": what tfimage wrote before the word was "keep"."""
+    cache, d, cfg_path = filled
+    (cache.root / "pins.json").write_text(json.dumps([str(cache.cfg.reference("eva:1"))]))
+    cache.update_meta(d["a"], lambda m: m.update(pinned=True))
+    limited_cache = limited(cfg_path, cache, 0.9)
+    gone = {g["digest"] for g in prune(limited_cache, now=time.time())}
+    assert d["a"] not in gone and gone  # the oldest, but kept
+    assert kept_refs(cache) == [str(cache.cfg.reference("eva:1"))]
+
+
+def _flock_waiters(path: Path) -> int:
+    """How many processes wait for a flock on ``path`` (from /proc/locks)."""
+    ino = os.stat(path).st_ino
+    return sum(
+        1
+        for line in Path("/proc/locks").read_text().splitlines()
+        if "->" in line and line.split()[-3].endswith(f":{ino}")
+    )
+
+
+def test_concurrent_keeps_lose_none(filled: tuple[ImageCache, dict[str, str], Path]) -> None:
+    """Operators (or the warm timer) changing the keep list at once: each change waits
+    for its lock, and none is lost."""
     import fcntl
 
     cache, _, cfg_path = filled
-    fd = os.open(cache.root / "locks" / "pins.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    lock = cache.root / "locks" / "keep.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         procs = [
             subprocess.Popen(
-                [*CLI, "--config", str(cfg_path), "cache", "pin", f"ev{name}:1"],
+                [*CLI, "--config", str(cfg_path), "cache", "keep", f"ev{name}:1"],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
             )
             for name in "abcd"
         ]
-        time.sleep(2.0)
-        assert all(p.poll() is None for p in procs)  # waiting for the lock
-        assert not (cache.root / "pins.json").exists()
+        for _ in range(300):  # each is seen waiting for the lock we hold
+            if _flock_waiters(lock) == 4:
+                break
+            time.sleep(0.05)
+        assert _flock_waiters(lock) == 4
+        assert not (cache.root / "keep.json").exists()
     finally:
         os.close(fd)
     for p in procs:
         _, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
-    pins = json.loads((cache.root / "pins.json").read_text())
-    assert pins == sorted(str(cache.cfg.reference(f"ev{n}:1")) for n in "abcd")
-    assert all(e["pinned"] for e in cache.entries())
+    kept = json.loads((cache.root / "keep.json").read_text())
+    assert kept == sorted(str(cache.cfg.reference(f"ev{n}:1")) for n in "abcd")
+    assert all(e["kept"] for e in cache.entries())
 
 
 def test_prune_drops_interrupted_downloads_nobody_resumed(
