@@ -87,8 +87,9 @@ def main(env: dict[str, str], runs: int) -> None:
     # wheel), where there is one; the oras-py baseline runs in the same interpreter.
     deployed = Path("/opt/tfimage/bin/python3")
     py = str(deployed) if deployed.exists() else sys.executable
-    from tfimage.agent.cache.store import ImageCache, client_for
+    from tfimage.agent.cache.store import ImageCache
     from tfimage.agent.config import compile_config, config_from_mapping
+    from tfimage.agent.registry.access import client_for
 
     ref_text = "tf-custom:2.0"
     base = config_from_mapping(cfg, cfg_path)

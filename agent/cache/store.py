@@ -57,42 +57,10 @@ class CachedImage:
     source: str | None = None  # the registry or mirror that served it (None: cache hit)
 
 
-def credentials_file(cfg: Config) -> Path | None:
-    """Root uses the site's file; a user (submitting, on a login node) uses their own."""
-    if os.geteuid() == 0:
-        return Path(cfg.credentials)
-    import pwd
+def _client(cfg: Config, host: str) -> RegistryClient:
+    from tfimage.agent.registry.access import client_for  # only a download needs it
 
-    home = Path(pwd.getpwuid(os.geteuid()).pw_dir)
-    for candidate in (home / ".config/tfimage/credentials.yaml", home / ".docker/config.json"):
-        if candidate.exists():
-            return candidate
-    return None  # anonymous pulls
-
-
-def client_for(cfg: Config, host: str, *, light: bool = False) -> RegistryClient:
-    """A client for ``host`` with this node's credentials.  ``light``: the stdlib
-    transport, for all a node does (no ``requests``: transport.py); pushes use the
-    default."""
-    from tfimage.agent.registry.client import RegistryClient
-    from tfimage.agent.registry.credentials import load_credentials
-
-    path = credentials_file(cfg)
-    creds = load_credentials(path) if path else {}
-    transport = None
-    if light:
-        from tfimage.agent.registry.transport import StdlibTransport
-
-        transport = StdlibTransport()
-    return RegistryClient(
-        host,
-        creds.get(host),
-        ca_bundle=cfg.ca_bundle,
-        connect_timeout=cfg.connect_timeout,
-        read_timeout=cfg.read_timeout,
-        transport=transport,
-        token_realms=cfg.token_realms,
-    )
+    return client_for(cfg, host, light=True)
 
 
 def _key(digest: str) -> str:
@@ -108,7 +76,7 @@ class ImageCache:
         # The stdlib transport for all of it: the many callers that only resolve a
         # tag, or wait on another's download, never import requests, and the one
         # that downloads reads straight into its buffers (transport.py).
-        self._client_factory = client_factory or (lambda host: client_for(cfg, host, light=True))
+        self._client_factory = client_factory or (lambda host: _client(cfg, host))
 
     def make_dirs(self) -> None:
         """The cache's directories, created where missing (root-owned, 0755)."""

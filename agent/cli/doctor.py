@@ -272,7 +272,7 @@ def check_runtime(ctx: Context) -> Iterator[Finding]:
 def check_registry(ctx: Context) -> Iterator[Finding]:
     if ctx.cfg is None:
         return
-    from tfimage.agent.cache.store import client_for
+    from tfimage.agent.registry.access import client_for
 
     for host in (ctx.cfg.registry, *ctx.cfg.mirrors):
         try:

@@ -157,7 +157,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from tfimage.agent.cache.store import client_for
+    from tfimage.agent.registry.access import client_for
 
     cfg = _config(args)
     ref = cfg.reference(args.ref)

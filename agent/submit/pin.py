@@ -66,7 +66,7 @@ def pin(
             if job_ref.digest and job_ref.unpinned == ref:
                 return job_ref, None
     if client_factory is None:
-        from tfimage.agent.cache.store import client_for
+        from tfimage.agent.registry.access import client_for
 
         def client_factory(host: str) -> RegistryClient:
             return client_for(cfg, host, light=True)  # on srun's path: no requests

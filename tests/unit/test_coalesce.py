@@ -12,9 +12,10 @@ from typing import Any
 
 from support import Registry, at_once
 from tfimage.agent.cache.coalesce import lock_path
-from tfimage.agent.cache.store import CachedImage, ImageCache, client_for
+from tfimage.agent.cache.store import CachedImage, ImageCache
 from tfimage.agent.config import Config, load_config
 from tfimage.agent.fsutil import held
+from tfimage.agent.registry.access import client_for
 from tfimage.agent.registry.client import RegistryClient
 from tfimage.agent.registry.transport import Response, StdlibTransport
 

@@ -22,9 +22,10 @@ import pytest
 from hostile import SIF_LAYER, Server, digest_of
 
 from support import at_once
-from tfimage.agent.cache.store import ImageCache, client_for
+from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.config import load_config
 from tfimage.agent.errors import CacheError, RegistryError, RegistryUnreachable, VerificationError
+from tfimage.agent.registry.access import client_for
 from tfimage.agent.registry.client import RegistryClient
 from tfimage.agent.registry.credentials import Credential
 from tfimage.agent.registry.transport import RequestsTransport, StdlibTransport

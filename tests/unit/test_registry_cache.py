@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from support import Registry, at_once
-from tfimage.agent.cache.store import ImageCache, client_for
+from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.config import load_config
 from tfimage.agent.errors import ImageError, RegistryError
+from tfimage.agent.registry.access import client_for
 from tfimage.agent.registry.client import RegistryClient
 from tfimage.agent.registry.credentials import Credential
 from tfimage.agent.registry.transport import RequestsTransport, StdlibTransport, Transport
