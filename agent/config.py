@@ -37,7 +37,7 @@ class Config:
     read_timeout: float = 30.0
     # The one deadline of a hook's or a step's preparation (pull, convert, mount):
     # the prolog gives up at it; the daemon, tfimage-hook and the plugin wait a
-    # little longer (HOOK_GRACE), never starting a second run.  Keep it below
+    # little longer (wire.HOOK_GRACE), never starting a second run.  Keep it below
     # Slurm's PrologEpilogTimeout (the role and doctor check).
     hook_deadline: float = 600.0
     hook_log: str = "/var/log/tfimage/hooks.log"
@@ -48,9 +48,9 @@ class Config:
     # hostlist is expanded.
     step_max_tasks: int = 65536
     # SRC:DST[:ro|rw] bound into every container whose SRC exists on the node.
-    default_mounts: tuple[str, ...] = field(default_factory=tuple)
+    default_binds: tuple[str, ...] = field(default_factory=tuple)
     # Where --tf-mount sources may come from.
-    mount_prefixes: tuple[str, ...] = ("/home", "/data", "/scratch")
+    bind_prefixes: tuple[str, ...] = ("/home", "/data", "/scratch")
     # Set in every task where the user has not set them; TF wants exactly "true".
     site_env: dict[str, str] = field(default_factory=lambda: {"TF_FORCE_GPU_ALLOW_GROWTH": "true"})
     tf_port_range: tuple[int, int] = (29000, 29999)
@@ -88,7 +88,7 @@ class Config:
         return ref
 
 
-_TUPLES = {"mirrors", "allowed_registries", "default_mounts", "mount_prefixes", "token_realms"}
+_TUPLES = {"mirrors", "allowed_registries", "default_binds", "bind_prefixes", "token_realms"}
 _FLOATS = {
     "connect_timeout",
     "read_timeout",
@@ -102,9 +102,7 @@ _INTS = {
     "pull_stripe_bytes": (1 << 16, 1 << 28),
     "step_max_tasks": (1, 1 << 20),
 }
-# Seconds the daemon, tfimage-hook and the plugin wait beyond hook_deadline for a
-# hook that gave up to say so (Python start, cleanup, the answer).
-HOOK_GRACE = 30
+
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
@@ -156,7 +154,23 @@ def _coerce(key: str, value: Any, path: Path) -> Any:
     return value
 
 
+# Keys renamed for one word per idea ("bind": a path bound into the container; the
+# "image mount" is the SIF's); the old spellings are read for one release.
+RENAMED = {"default_mounts": "default_binds", "mount_prefixes": "bind_prefixes"}
+
+
+def renamed_keys(data: dict[str, Any]) -> list[str]:
+    """The old spellings a config still uses (doctor says so)."""
+    return sorted(k for k in data if k in RENAMED)
+
+
 def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Config:
+    data = dict(data)
+    for old, new in RENAMED.items():
+        if old in data:
+            if new in data:
+                raise ConfigError(f"{path}: '{old}' is the old name of '{new}': give one")
+            data[new] = data.pop(old)
     known = {f.name for f in fields(Config)}
     unknown = sorted(set(data) - known)
     if unknown:

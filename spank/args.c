@@ -1,5 +1,5 @@
-/* plugstack.conf arguments: helper=PATH config=PATH daemon=SOCKET resolver=SOCKET
- * submit_timeout=S prepare_timeout=S */
+/* plugstack.conf arguments: helper=PATH config=PATH daemon=SOCKET pin_socket=SOCKET
+ * submit_timeout=S prepare_timeout=S (resolver=SOCKET: pin_socket's old name) */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,7 +39,7 @@ int tfi_parse_args(int ac, char **av)
 	/* the config's default hook_deadline, and the grace beyond it */
 	tfi_conf.prepare_timeout = 600 + TFI_HOOK_GRACE;
 	tfi_conf.daemon[0] = '\0';
-	tfi_conf.resolver[0] = '\0';
+	tfi_conf.pin_socket[0] = '\0';
 
 	for (int i = 0; i < ac; i++) {
 		const char *a = av[i];
@@ -51,8 +51,10 @@ int tfi_parse_args(int ac, char **av)
 			rc = set_path(tfi_conf.config, a + 7, "config");
 		else if (strncmp(a, "daemon=", 7) == 0)
 			rc = set_path(tfi_conf.daemon, a + 7, "daemon");
-		else if (strncmp(a, "resolver=", 9) == 0)
-			rc = set_path(tfi_conf.resolver, a + 9, "resolver");
+		else if (strncmp(a, "pin_socket=", 11) == 0)
+			rc = set_path(tfi_conf.pin_socket, a + 11, "pin_socket");
+		else if (strncmp(a, "resolver=", 9) == 0) /* the old name, for one release */
+			rc = set_path(tfi_conf.pin_socket, a + 9, "resolver");
 		else if (strncmp(a, "submit_timeout=", 15) == 0)
 			rc = set_secs(&tfi_conf.submit_timeout, a + 15, "submit_timeout");
 		else if (strncmp(a, "prepare_timeout=", 16) == 0)

@@ -46,7 +46,7 @@ int main(int argc, char **argv)
 	for (int i = 4; i < argc; i++)
 		req[i - 2] = argv[i];
 	req[argc - 2] = NULL;
-	rc = tfi_daemon_call(argv[1], req, (int)timeout + TFI_HOOK_GRACE, &out, &len, err,
+	rc = tfi_ask_daemon(argv[1], req, (int)timeout + TFI_HOOK_GRACE, &out, &len, err,
 			     sizeof(err));
 	if (rc >= 0) {
 		if (len)

@@ -55,8 +55,24 @@ static int batch_in_container(char **env)
 	}
 }
 
-/* The helper answers with NUL-separated tokens:
+/* Whether Slurm allocated GPUs to the step (its gres plugin sets these). */
+static int step_has_gpus(char **env)
+{
+	static const char *const names[] = { "SLURM_STEP_GPUS", "SLURM_JOB_GPUS",
+					     "CUDA_VISIBLE_DEVICES", NULL };
+
+	for (int i = 0; names[i]; i++) {
+		const char *v = env_get(env, names[i]);
+
+		if (v && v[0] && strcmp(v, "NoDevFiles") != 0)
+			return 1;
+	}
+	return 0;
+}
+
+/* The helper's answer, agent/wire.py (3): NUL-separated tokens
  *   argv N a1 .. aN        the runtime's prefix
+ *   src PATH               a --tf-mount source each task checks, as the user
  *   env L NAME VALUE       set NAME=VALUE in local task L unless the user did */
 static int parse_answer(char *buf, size_t len)
 {
@@ -72,7 +88,7 @@ static int parse_answer(char *buf, size_t len)
 		tok[n++] = buf + pos;
 		pos += l + 1;
 	}
-	if (n < 2 || strcmp(tok[0], "argv") != 0)
+	if (n < 2 || strcmp(tok[0], TFI_TOK_ARGV) != 0)
 		return -1;
 	tfi_state.prefix_len = atoi(tok[1]);
 	if (tfi_state.prefix_len < 1 || tfi_state.prefix_len > TFI_MAX_ARGS ||
@@ -86,10 +102,10 @@ static int parse_answer(char *buf, size_t len)
 	tfi_state.env_len = 0;
 	tfi_state.sources_len = 0;
 	for (i = 2 + tfi_state.prefix_len; i < n;) {
-		if (strcmp(tok[i], "src") == 0 && i + 1 < n && tfi_state.sources_len < TFI_MAX_ARGS) {
+		if (strcmp(tok[i], TFI_TOK_SRC) == 0 && i + 1 < n && tfi_state.sources_len < TFI_MAX_ARGS) {
 			tfi_state.sources[tfi_state.sources_len++] = tok[i + 1];
 			i += 2;
-		} else if (strcmp(tok[i], "env") == 0 && i + 3 < n && tfi_state.env_len < TFI_MAX_ENV) {
+		} else if (strcmp(tok[i], TFI_TOK_ENV) == 0 && i + 3 < n && tfi_state.env_len < TFI_MAX_ENV) {
 			tfi_state.env[3 * tfi_state.env_len] = tok[i + 1];
 			tfi_state.env[3 * tfi_state.env_len + 1] = tok[i + 2];
 			tfi_state.env[3 * tfi_state.env_len + 2] = tok[i + 3];
@@ -107,25 +123,24 @@ static int parse_answer(char *buf, size_t len)
  * tasks to report. */
 static int prepare(void)
 {
-	static const char *const layout[] = { "SLURM_JOB_ID", "SLURM_STEP_ID",
-		"SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_RESV_PORTS", NULL };
+	static const char *const layout[] = TFI_LAYOUTS;
 	char err[512];
 	char *hargv[48], *out = NULL, *own[16] = { NULL };
 	size_t len = 0;
 	int h = 0, o = 0, rc = -1;
 
-	/* Every value as --name=VALUE: a value is the job's, and one starting with
-	 * '-' must stay a value (agent/wire.py). */
+	/* agent/wire.py (2): every value as --name=VALUE, a value is the job's, and
+	 * one starting with '-' must stay a value. */
 	hargv[h++] = tfi_conf.helper;
 	hargv[h++] = "--config";
 	hargv[h++] = tfi_conf.config;
-	hargv[h++] = "step-prepare";
-	if (asprintf(&own[o++], "--job=%u", tfi_state.job_id) < 0 ||
-	    asprintf(&own[o++], "--step=%u", tfi_state.step_id) < 0 ||
-	    asprintf(&own[o++], "--uid=%u", tfi_state.uid) < 0 ||
-	    asprintf(&own[o++], "--image=%s", tfi_state.image) < 0 ||
-	    asprintf(&own[o++], "--node-id=%u", tfi_state.node_id) < 0 ||
-	    asprintf(&own[o++], "--local-tasks=%u", tfi_state.local_tasks) < 0) {
+	hargv[h++] = TFI_CMD_STEP_PREPARE;
+	if (asprintf(&own[o++], "%s%u", TFI_ARG_JOB, tfi_state.job_id) < 0 ||
+	    asprintf(&own[o++], "%s%u", TFI_ARG_STEP, tfi_state.step_id) < 0 ||
+	    asprintf(&own[o++], "%s%u", TFI_ARG_UID, tfi_state.uid) < 0 ||
+	    asprintf(&own[o++], "%s%s", TFI_ARG_IMAGE, tfi_state.image) < 0 ||
+	    asprintf(&own[o++], "%s%u", TFI_ARG_NODE_ID, tfi_state.node_id) < 0 ||
+	    asprintf(&own[o++], "%s%u", TFI_ARG_LOCAL_TASKS, tfi_state.local_tasks) < 0) {
 		own[o - 1] = NULL;
 		snprintf(err, sizeof(err), "out of memory");
 		goto failed;
@@ -133,37 +148,39 @@ static int prepare(void)
 	for (int i = 0; i < o; i++)
 		hargv[h++] = own[i];
 	if (tfi_state.workdir[0]) {
-		if (asprintf(&own[o], "--workdir=%s", tfi_state.workdir) < 0)
+		if (asprintf(&own[o], "%s%s", TFI_ARG_WORKDIR, tfi_state.workdir) < 0)
 			goto oom;
 		hargv[h++] = own[o++];
 	}
 	if (tfi_state.script[0]) {
-		if (asprintf(&own[o], "--script=%s", tfi_state.script) < 0)
+		if (asprintf(&own[o], "%s%s", TFI_ARG_SCRIPT, tfi_state.script) < 0)
 			goto oom;
 		hargv[h++] = own[o++];
 	}
 	if (tfi_state.mounts[0]) {
-		if (asprintf(&own[o], "--mounts=%s", tfi_state.mounts) < 0)
+		if (asprintf(&own[o], "%s%s", TFI_ARG_TF_MOUNT, tfi_state.mounts) < 0)
 			goto oom;
 		hargv[h++] = own[o++];
 	}
+	if (step_has_gpus(tfi_state.job_env))
+		hargv[h++] = TFI_ARG_GPUS;
 	/* The step's layout, for TF_CONFIG: the helper parses it strictly. */
 	for (int i = 0; layout[i]; i++) {
 		const char *v = env_get(tfi_state.job_env, layout[i]);
 
 		if (!v)
 			continue;
-		if (asprintf(&own[o], "--layout=%s=%s", layout[i], v) < 0)
+		if (asprintf(&own[o], "%s%s=%s", TFI_ARG_LAYOUT, layout[i], v) < 0)
 			goto oom;
 		hargv[h++] = own[o++];
 	}
 	hargv[h] = NULL;
 
 	/* The node's warm daemon when one runs (no Python start per step), else the helper. */
-	rc = tfi_daemon_call(tfi_conf.daemon, hargv, tfi_conf.prepare_timeout, &out, &len, err,
+	rc = tfi_ask_daemon(tfi_conf.daemon, hargv, tfi_conf.prepare_timeout, &out, &len, err,
 			     sizeof(err));
 	if (rc == -2)
-		rc = tfi_run_helper(hargv, tfi_conf.prepare_timeout, &out, &len, err, sizeof(err));
+		rc = tfi_spawn(hargv, tfi_conf.prepare_timeout, &out, &len, err, sizeof(err));
 	if (rc == 0 && parse_answer(out, len) == 0) {
 		for (int i = 0; i < o; i++)
 			free(own[i]);

@@ -1,11 +1,13 @@
-/* Submit side (srun, sbatch, salloc): check the reference and mounts and pin the
- * tag to its digest before anything is queued, then hand the pinned reference to
- * the job through its control environment (the prolog sees SPANK_TFIMAGE_IMAGE,
+/* Submit side (srun, sbatch, salloc): check the reference and --tf-mount and pin
+ * the tag to its digest before anything is queued, then hand the pinned reference
+ * to the job through its control environment (the prolog sees SPANK_TFIMAGE_IMAGE,
  * the job's steps SLURM_SPANK_TFIMAGE_IMAGE).
  *
- * The host's tfimage daemon answers first when it runs (its resolver socket, a
- * few ms); anything but a pinned reference or a rejected input from it, and the
- * helper pins as the user, as it would with no daemon (agent/resolver.py). */
+ * The host's pin server (the daemon's pin socket) answers first when it runs, a
+ * few ms; anything but a pinned reference or a rejected input from it, and the
+ * helper pins as the user, as it would with no daemon.  Both get the same
+ * submit-check request (agent/wire.py, 4). */
+#define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,24 +20,22 @@ const char *tfi_strip_prefix(const char *msg)
 	return strncmp(msg, "tfimage: ", 9) == 0 ? msg + 9 : msg;
 }
 
-/* Ask the daemon's resolver: 0 pinned (out set), 2 input rejected (err set),
- * anything else: pin with the helper.  Half the submit deadline at most, so the
- * helper still has the other half. */
-static int ask_resolver(char **out, size_t *len, char *err, size_t errlen)
+/* Ask the pin server: 0 pinned (out set), 2 input rejected (err set), anything
+ * else: pin with the helper.  Half the submit deadline at most, so the helper
+ * still has the other half.  argv is the helper's (argv[1..] is sent). */
+static int ask_pin_server(char *const argv[], char **out, size_t *len, char *err,
+			  size_t errlen)
 {
-	const char *job = getenv("SLURM_SPANK_TFIMAGE_IMAGE"); /* an srun inside a job */
-	char *argv[] = { "tfimage", "submit-check", "--mounts", tfi_state.mounts, "--job-image",
-			 (char *)(job ? job : ""), "--", tfi_state.image, NULL };
 	int timeout = tfi_conf.submit_timeout > 1 ? tfi_conf.submit_timeout / 2 : 1;
 	int rc;
 
-	if (!tfi_conf.resolver[0])
+	if (!tfi_conf.pin_socket[0])
 		return -2;
-	rc = tfi_daemon_call(tfi_conf.resolver, argv, timeout, out, len, err, errlen);
+	rc = tfi_ask_daemon(tfi_conf.pin_socket, argv, timeout, out, len, err, errlen);
 	if (rc == 0 || rc == 2)
 		return rc;
 	if (rc != -2)
-		slurm_verbose("tfimage: submit: the resolver did not pin (%s); pinning here",
+		slurm_verbose("tfimage: submit: the pin server did not pin (%s); pinning here",
 			      err[0] ? tfi_strip_prefix(err) : "no answer");
 	free(*out);
 	*out = NULL;
@@ -46,26 +46,35 @@ static int ask_resolver(char **out, size_t *len, char *err, size_t errlen)
 
 int tfi_submit_init_post_opt(spank_t sp)
 {
-	/* --mounts=VALUE: a value starting with '-' stays a value. */
-	char mounts[sizeof(tfi_state.mounts) + 16];
-	char *argv[] = { tfi_conf.helper, "--config", tfi_conf.config, "submit-check",
-			 mounts, "--", tfi_state.image, NULL };
+	const char *job = getenv("SLURM_SPANK_TFIMAGE_IMAGE"); /* an srun inside a job */
+	char *mounts = NULL, *job_image = NULL, *out = NULL;
 	char err[512];
-	char *out = NULL;
 	size_t len = 0;
 	long long start = tfi_now_ms();
 	int rc;
 
-	snprintf(mounts, sizeof(mounts), "--mounts=%s", tfi_state.mounts);
-	rc = ask_resolver(&out, &len, err, sizeof(err));
-	if (rc == -2) {
-		long long left = tfi_conf.submit_timeout - (tfi_now_ms() - start) / 1000;
-
-		rc = tfi_run_helper(argv, left > 1 ? (int)left : 1, &out, &len, err, sizeof(err));
+	if (asprintf(&mounts, "%s%s", TFI_ARG_TF_MOUNT, tfi_state.mounts) < 0 ||
+	    asprintf(&job_image, "%s%s", TFI_ARG_JOB_IMAGE, job ? job : "") < 0) {
+		slurm_error("tfimage: submit: out of memory");
+		return -1;
 	}
+	{
+		/* the helper's argv; the pin server gets argv[3..], the same request */
+		char *argv[] = { tfi_conf.helper, "--config", tfi_conf.config,
+				 TFI_CMD_SUBMIT_CHECK, mounts, job_image, "--", tfi_state.image, NULL };
+
+		rc = ask_pin_server(&argv[2], &out, &len, err, sizeof(err));
+		if (rc == -2) {
+			long long left = tfi_conf.submit_timeout - (tfi_now_ms() - start) / 1000;
+
+			rc = tfi_spawn(argv, left > 1 ? (int)left : 1, &out, &len, err, sizeof(err));
+		}
+	}
+	free(mounts);
+	free(job_image);
 	if (rc != 0) {
 		slurm_error("tfimage: submit: %s", err[0] ? tfi_strip_prefix(err)
-							: "the image and mount check failed");
+							: "the image and --tf-mount check failed");
 		free(out);
 		return -1;
 	}

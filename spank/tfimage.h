@@ -4,8 +4,9 @@
  * tfimage.c routes every SPANK callback to the file for its context:
  *   submit.c  srun/sbatch/salloc: check the reference, hand it to the job
  *   node.c    slurmstepd: ready the image (root), then wrap each task
- *   helper.c  running the Python helper with a deadline, output kept for errors
- *   daemon.c  the same request to the host's warm tfimage daemon, when one runs
+ *   spawn.c   running the tfimage helper with a deadline, output kept for errors
+ *   client.c  the same request to the host's warm tfimage daemon, when one runs
+ *   wire.h    the constants of agent/wire.py, which describes every message
  *   args.c    plugstack.conf arguments
  * Every message starts with "tfimage:" and names the phase and the cause.
  */
@@ -15,13 +16,12 @@
 #include <stddef.h>
 #include <slurm/spank.h>
 
+#include "wire.h"
+
 #define TFI_MAX_REF 512
 #define TFI_MAX_PATH 4096
 #define TFI_MAX_ARGS 256
 #define TFI_MAX_ENV 1024
-/* Seconds a caller waits beyond the config's hook_deadline for the helper or a
- * hook to say it gave up (agent/config.py HOOK_GRACE). */
-#define TFI_HOOK_GRACE 30
 
 enum tfi_batch { TFI_BATCH_AUTO = 0, TFI_BATCH_CONTAINER, TFI_BATCH_HOST };
 
@@ -31,7 +31,7 @@ struct tfi_conf {
 	int submit_timeout;          /* seconds for the submit-side check */
 	int prepare_timeout;         /* seconds for the node-side prepare */
 	char daemon[TFI_MAX_PATH];   /* tfimage daemon's socket ("" = always exec) */
-	char resolver[TFI_MAX_PATH]; /* its users' pinning socket ("" = always exec) */
+	char pin_socket[TFI_MAX_PATH]; /* its pin server for users ("" = always exec) */
 };
 
 struct tfi_state {
@@ -64,22 +64,22 @@ extern struct tfi_state tfi_state;
 /* args.c */
 int tfi_parse_args(int ac, char **av);
 
-/* helper.c: run argv (no shell) with a deadline; stdout kept in *out
+/* spawn.c: run argv (no shell) with a deadline; stdout kept in *out
  * (malloc'ed, caller frees).  Returns the exit status, or -1 on timeout or
  * failure to start; errbuf gets the child's last stderr line. */
-int tfi_run_helper(char *const argv[], int timeout_s, char **out, size_t *out_len,
+int tfi_spawn(char *const argv[], int timeout_s, char **out, size_t *out_len,
 		   char *errbuf, size_t errlen);
 
-/* helper.c also: a monotonic clock in ms, and the last non-empty line of buf
+/* spawn.c also: a monotonic clock in ms, and the last non-empty line of buf
  * (what explains a failure), cut to fit dst */
 long long tfi_now_ms(void);
 void tfi_last_line(const char *buf, size_t len, char *dst, size_t dstlen);
 
-/* daemon.c: the same request to the host's tfimage daemon (argv[1..], the
+/* client.c: the same request to the host's tfimage daemon (argv[1..], the
  * helper's arguments), same results; -2 when no daemon answers, so the caller
  * runs the helper itself.  Root-side callers use its root-only socket, the
- * submit side its resolver socket. */
-int tfi_daemon_call(const char *sock, char *const argv[], int timeout_s, char **out,
+ * submit side its pin socket. */
+int tfi_ask_daemon(const char *sock, char *const argv[], int timeout_s, char **out,
 		    size_t *out_len, char *errbuf, size_t errlen);
 
 /* submit.c */

@@ -189,17 +189,17 @@ def started_daemon(
     cfg.write_text(config.replace("{run}", str(run)))
     log = tmp_path / "daemon.log"
     p = subprocess.Popen(
-        [sys.executable, "-m", "tfimage.agent.cli.main", "--config", str(cfg), "daemon"],
+        [sys.executable, "-m", "tfimage.main", "--config", str(cfg), "daemon"],
         stderr=log.open("w"),
     )
     for _ in range(100):
-        if "resolving on" in log.read_text():
+        if "pinning on" in log.read_text():
             break
         time.sleep(0.05)
     try:
-        assert (run / "resolve.sock").exists(), log.read_text()
+        assert (run / "pin.sock").exists(), log.read_text()
         assert (run / "daemon.sock").stat().st_mode & 0o777 == 0o600
-        assert (run / "resolve.sock").stat().st_mode & 0o777 == 0o666
+        assert (run / "pin.sock").stat().st_mode & 0o777 == 0o666
         yield run, cfg, p
     finally:
         p.kill()

@@ -234,6 +234,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], pull: Han
     rm.add_argument("--force", action="store_true", help="remove even if kept")
     pr = add("prune", cmd_prune, "evict least recently used images down to the low watermark")
     pr.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
+
     def keep(a: argparse.Namespace) -> int:
         return _keep(a, True)
 

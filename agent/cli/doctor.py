@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Literal
 
 from tfimage.agent.cli.slurmconf import hook_scripts, read_plugstack, read_slurm_conf
-from tfimage.agent.config import HOOK_GRACE, Config, load_config
+from tfimage.agent.config import RENAMED, Config, load_config, renamed_keys
 from tfimage.agent.errors import TfimageError
+from tfimage.agent.wire import HOOK_GRACE
 
 Level = Literal["ok", "info", "warning", "error"]
 _RANK = {"ok": 0, "info": 0, "warning": 1, "error": 2}
@@ -64,6 +65,19 @@ def check_config(ctx: Context) -> Iterator[Finding]:
         yield Finding("config", "error", str(e), f"fix {ctx.config_path} (see README: config)")
         return
     yield Finding("config", "ok", f"{ctx.config_path} is valid (registry {ctx.cfg.registry})")
+    import yaml
+
+    try:
+        data = yaml.safe_load(ctx.config_path.read_text())
+    except (OSError, yaml.YAMLError):
+        return  # load_config read it a moment ago: nothing more to say
+    for old in renamed_keys(data if isinstance(data, dict) else {}):
+        yield Finding(
+            "config",
+            "warning",
+            f"{ctx.config_path}: '{old}' is the old name of '{RENAMED[old]}'",
+            f"rename it; the old name goes in the next release (the role writes {RENAMED[old]})",
+        )
 
 
 def _slurm(ctx: Context) -> dict[str, str] | None:
@@ -123,9 +137,16 @@ def check_plugin(ctx: Context) -> Iterator[Finding]:
     daemon = args.get("daemon", "")
     if daemon and not ctx.login:
         yield _daemon_finding(daemon, "every step and hook starts Python itself")
-    resolver = args.get("resolver", "")
-    if resolver:
-        yield _daemon_finding(resolver, "every submission starts Python itself to pin")
+    pin_socket = args.get("pin_socket") or args.get("resolver", "")
+    if pin_socket:
+        yield _daemon_finding(pin_socket, "every submission starts Python itself to pin")
+    if "resolver" in args:
+        yield Finding(
+            "plugin",
+            "warning",
+            "plugstack's resolver= is the old name of pin_socket=",
+            "rename it (the role writes pin_socket=); resolver= goes in the next release",
+        )
     env = dict(os.environ, SLURM_CONF=str(ctx.slurm_conf))
     try:
         out = _run(["srun", "--help"], env)

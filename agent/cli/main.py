@@ -1,4 +1,5 @@
-"""The ``tfimage`` command: operators' view of a node, and the plugin's helper.
+"""The ``tfimage`` command: operators' view of a node (the plugin's two hidden
+commands are in plugin.py; ``tfimage.main`` is the installed entry point).
 
 Exit codes: 0 ok; 1 usage or unexpected state; 2 bad config, credentials or
 reference; 3 the image or runtime could not be prepared; 70 internal error.
@@ -10,8 +11,7 @@ import argparse
 import json
 import os
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,26 +29,6 @@ def _config(args: argparse.Namespace) -> Config:
 
 def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
     print(json.dumps(data, sort_keys=True) if getattr(args, "json", False) else text)
-
-
-class _Bar:
-    """A progress bar on stderr, only when stderr is a terminal."""
-
-    def __init__(self) -> None:
-        self.on = sys.stderr.isatty()
-        self.last = 0.0
-
-    def __call__(self, got: int, total: int) -> None:
-        now = time.monotonic()
-        if not self.on or (now - self.last < 0.1 and got < total):
-            return
-        self.last = now
-        frac = got / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\r[{bar:<30}] {frac:6.1%} {got >> 20}/{total >> 20} MiB")
-        if got >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
 
 def _pin(cfg: Config, ref: Reference, job_image: str | None = None) -> tuple[Reference, str | None]:
@@ -79,19 +59,6 @@ def cmd_resolve(args: argparse.Namespace) -> int:
         },
         str(ref),
     )
-    return 0
-
-
-def cmd_submit_check(args: argparse.Namespace) -> int:
-    from tfimage.agent.step.binds import parse_mounts
-
-    cfg = _config(args)
-    ref = cfg.reference(args.ref)
-    parse_mounts(args.mounts, cfg.mount_prefixes)
-    if not args.offline:
-        # Set by Slurm in a job whose submission pinned an image (see spank/submit.c).
-        ref, _ = _pin(cfg, ref, job_image=os.environ.get("SLURM_SPANK_TFIMAGE_IMAGE"))
-    print(ref)
     return 0
 
 
@@ -138,9 +105,10 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from tfimage.agent.cache.store import ImageCache
+    from tfimage.agent.cli.progress import ProgressBar
 
     cfg = _config(args)
-    got = ImageCache(cfg).ensure(cfg.reference(args.ref), progress=_Bar())
+    got = ImageCache(cfg).ensure(cfg.reference(args.ref), progress=ProgressBar())
     _emit(
         args,
         {
@@ -169,48 +137,6 @@ def cmd_push(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_step_prepare(args: argparse.Namespace) -> int:
-    from tfimage.agent.deadline import deadline
-    from tfimage.agent.step.plan import LAYOUT_VARS, StepRequest, plan_step
-
-    if os.geteuid() != 0:
-        raise TfimageError("step-prepare runs as root, from the SPANK plugin")
-    layout = {}
-    for item in args.layout:
-        name, sep, value = item.partition("=")
-        if not sep or name not in LAYOUT_VARS:
-            raise TfimageError(f"step-prepare: unexpected --layout {name[:40]!r}")
-        layout[name] = value
-    req = StepRequest(
-        job_id=args.job,
-        step_id=args.step,
-        uid=args.uid,
-        image=args.image,
-        workdir=args.workdir or None,
-        script=args.script or None,
-        gpus=args.gpus,
-        layout=layout,
-        node_id=args.node_id,
-        local_tasks=args.local_tasks,
-        tf_mount=args.mounts,
-    )
-    cfg = _config(args)
-    with deadline(cfg.hook_deadline, "step preparation"):
-        plan = plan_step(cfg, req)
-    # A NUL-separated token stream for the plugin:
-    #   argv N a1 .. aN        the runtime's prefix
-    #   env L NAME VALUE       set NAME=VALUE in local task L, unless the user set it
-    #   src PATH               a --tf-mount source each task checks, as the user
-    tokens = ["argv", str(len(plan.argv)), *plan.argv]
-    for src in plan.sources:
-        tokens += ["src", src]
-    for local, env in sorted(plan.env.items()):
-        for name, value in sorted(env.items()):
-            tokens += ["env", str(local), name, value]
-    sys.stdout.write("\0".join(tokens) + "\0")
-    return 0
-
-
 def cmd_config_compile(args: argparse.Namespace) -> int:
     from tfimage.agent.config import compile_config
 
@@ -222,15 +148,11 @@ def cmd_config_compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_daemon(args: argparse.Namespace) -> int:
-    from tfimage.agent.daemon.server import serve
+Handler = Callable[[argparse.Namespace], int]
 
-    if os.geteuid() != 0:
-        raise TfimageError("daemon: runs as root on a compute or login node")
-    cfg = _config(args)
-    state = Path(cfg.state_dir)
-    resolve = None if args.no_resolver else Path(args.resolve_socket or state / "resolve.sock")
-    return serve(Path(args.socket or state / "daemon.sock"), cfg, resolve)
+
+def _no_daemon(args: argparse.Namespace) -> int:
+    raise TfimageError("daemon: start it with the installed 'tfimage' command")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -251,7 +173,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return status
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(daemon: Handler | None = None) -> argparse.ArgumentParser:
+    """The parser; ``daemon`` serves ``tfimage daemon`` (tfimage.main gives it: the
+    daemon serves entry points this library does not import)."""
     p = argparse.ArgumentParser(
         prog="tfimage",
         description="Inspect and manage a node's tfimage cache; helpers for the Slurm plugin.",
@@ -275,14 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--json", action="store_true", help="machine-readable output")
     r.set_defaults(func=cmd_resolve)
-
-    sc = sub.add_parser(
-        "submit-check", help="(plugin helper) check --tf-image and --tf-mount at submit"
-    )
-    sc.add_argument("ref", help="image reference")
-    sc.add_argument("--mounts", default="", help="the --tf-mount value")
-    sc.add_argument("--offline", action="store_true", help="check only; do not pin the tag")
-    sc.set_defaults(func=cmd_submit_check)
 
     ev = sub.add_parser("env", help="inside a job step: the TF/NCCL variables of this task")
     ev.add_argument("--explain", action="store_true", help="say why each value was chosen")
@@ -320,12 +236,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dm.add_argument("--socket", default="", help="socket path (default STATE_DIR/daemon.sock)")
     dm.add_argument(
-        "--resolve-socket",
+        "--pin-socket",
         default="",
-        help="users' pinning socket (default STATE_DIR/resolve.sock)",
+        help="the pin server's socket, for every local user (default STATE_DIR/pin.sock)",
     )
-    dm.add_argument("--no-resolver", action="store_true", help="serve no pinning for users")
-    dm.set_defaults(func=cmd_daemon)
+    dm.add_argument("--no-pin-server", action="store_true", help="serve no pinning for users")
+    dm.add_argument(
+        "--trace",
+        default="",
+        metavar="FILE",
+        help="append each request and answer to FILE as JSON lines (0600; for debugging "
+        "the plugin's wire, agent/wire.py)",
+    )
+    dm.set_defaults(func=daemon or _no_daemon)
 
     dr = sub.add_parser(
         "doctor",
@@ -344,32 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     register(sub, cmd_pull)
 
-    sp = sub.add_parser(
-        "step-prepare", help="(plugin helper, root) ready the image for a step, print its argv"
-    )
-    sp.add_argument("--job", required=True)
-    sp.add_argument("--step", required=True)
-    sp.add_argument("--uid", required=True, type=int)
-    sp.add_argument("--image", required=True)
-    sp.add_argument("--workdir", default="")
-    sp.add_argument("--script", default="")
-    sp.add_argument("--gpus", action="store_true")
-    sp.add_argument(
-        "--layout",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a step variable (SLURM_STEP_NODELIST and friends)",
-    )
-    sp.add_argument("--node-id", type=int, default=0)
-    sp.add_argument("--mounts", default="", help="the step's --tf-mount value")
-    sp.add_argument("--local-tasks", type=int, default=0)
-    sp.set_defaults(func=cmd_step_prepare)
+    from tfimage.agent.cli.plugin import register as register_plugin
+
+    register_plugin(sub)
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, *, daemon: Handler | None = None) -> int:
+    args = build_parser(daemon).parse_args(argv)
     try:
         return int(args.func(args))
     except TfimageError as e:

@@ -1,17 +1,17 @@
-"""Pinning for the submit side, served by the host's warm daemon.
+"""The pin server: pinning for the submit side, served by the host's warm daemon.
 
 ``srun --tf-image`` pins the tag before anything is queued.  As a fresh Python that
 costs ~100 ms of interpreter start and imports on every srun, sbatch and salloc;
 the daemon (``tfimage daemon``, already running on compute and login nodes) answers
 the same question in a few milliseconds from a warm process.  The plugin asks it
 first and runs the helper itself whenever the answer is anything but a pinned
-reference or a rejected input (spank/submit.c), so the resolver is an
+reference or a rejected input (spank/submit.c), so the pin server is an
 accelerator: a stopped daemon costs speed, never a submission.
 
 Trust: unlike the daemon's root-only socket, any local user may connect here,
-so a request is one fixed shape and nothing else::
+so a request is one fixed shape and nothing else (agent/wire.py, 4)::
 
-    submit-check --mounts M --job-image J -- REF
+    submit-check --tf-mount=SPEC --job-image=REF -- REF
 
 (the daemon's own config is used; no path, option or command comes from the
 peer), bounded in size, parsed by the same strict parsers as everywhere.  The
@@ -19,10 +19,11 @@ pin uses this host's credentials: it reveals only the digest a tag names now,
 which the same user learns by submitting a job, since the nodes pull with the
 same credentials.  What this host saw last for a tag is kept in
 ``STATE_DIR/last-seen.json`` (until reboot) for when the registry is down, per user
-and bounded (lastseen.py): one user pinning a thousand tags pushes out only their
-own.
+and bounded (submit/lastseen.py): one user pinning a thousand tags pushes out only
+their own.  A lookup may take another user's entry, so it reveals that someone on
+this host pinned that tag, and the digest it named: no more than pinning it reveals.
 
-Answers: 0 and the pinned reference; 2 when the reference or mounts are wrong
+Answers: 0 and the pinned reference; 2 when the reference or --tf-mount is wrong
 (final: the user's input is wrong whoever checks it); 75 for anything else (the
 registry refused this host's credentials, no answer and no remembered digest,
 a fault): the plugin then pins with the user's own credentials, as before.
@@ -30,51 +31,28 @@ a fault): the plugin then pins with the user's own credentials, as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from tfimage.agent.config import Config
-from tfimage.agent.errors import InputError, RequestError, TfimageError
+from tfimage.agent.errors import InputError, TfimageError
+from tfimage.agent.wire import SubmitCheck
 
 MAX_REQUEST = 16384
-MAX_FIELD = 4096
 RETRY_YOURSELF = 75  # EX_TEMPFAIL: the plugin pins with the user's own view instead
-
-
-@dataclass(frozen=True)
-class ResolveRequest:
-    ref: str
-    mounts: str
-    job_image: str
-
-
-def parse_request(argv: list[str]) -> ResolveRequest:
-    """The one accepted shape, field by field; anything else is refused."""
-    if len(argv) != 7 or argv[0] != "submit-check" or argv[5] != "--":
-        raise RequestError("resolver: malformed request")
-    if argv[1] != "--mounts" or argv[3] != "--job-image":
-        raise RequestError("resolver: malformed request")
-    ref, mounts, job_image = argv[6], argv[2], argv[4]
-    for value in (ref, mounts, job_image):
-        if len(value) > MAX_FIELD or "\0" in value:
-            raise RequestError("resolver: malformed request")
-    if not ref:
-        raise RequestError("resolver: malformed request")
-    return ResolveRequest(ref=ref, mounts=mounts, job_image=job_image)
 
 
 def last_seen_store(cfg: Config) -> Path:
     return Path(cfg.state_dir) / "last-seen.json"
 
 
-def answer(cfg: Config, req: ResolveRequest, uid: int) -> tuple[int, str, str]:
+def answer(cfg: Config, req: SubmitCheck, uid: int) -> tuple[int, str, str]:
     """(status, stdout, stderr) for the plugin: see the module's docstring."""
-    from tfimage.agent.step.binds import parse_mounts
+    from tfimage.agent.step.binds import parse_binds
     from tfimage.agent.submit.pin import pin
 
     try:
         ref = cfg.reference(req.ref)
-        parse_mounts(req.mounts, cfg.mount_prefixes)
+        parse_binds(req.tf_mount, cfg.bind_prefixes)
     except InputError as e:
         return 2, "", f"tfimage: {e}\n"
     try:

@@ -1,36 +1,42 @@
-"""``tfimage daemon``: a warm, root-only helper for the plugin on a compute node.
+"""``tfimage daemon``: a warm helper for the plugin and the hooks on a node.
 
-Every step of a ``--tf-image`` job needs ``step-prepare`` as root on each node.  As
-a fresh Python process that costs ~100 ms of interpreter start and imports before
-any work; this daemon imports everything once and forks a worker per request,
-which answers in a few milliseconds.  The plugin (spank/daemon.c) falls back to
-running the helper itself whenever no daemon answers, so the daemon is an
-accelerator, never a dependency.
+Every step of a ``--tf-image`` job needs ``step-prepare`` as root on each node, and
+every job a prolog.  As a fresh Python process each costs ~100 ms of interpreter
+start and imports before any work; this daemon imports everything once and forks a
+worker per request.  The plugin (spank/client.c) and ``tfimage-hook`` run the
+program themselves whenever no daemon listens, so the daemon is an accelerator,
+never a dependency.
 
-Trust: the socket is created mode 0600 in a root-owned directory, and each peer's
-uid is checked (SO_PEERCRED): only root (slurmstepd) is served.  Only the
-``step-prepare`` command and the node hooks (``tfimage-prolog``/``-epilog``, via
-spank/hook.c) are accepted, their arguments parsed by the same strict parsers as
-when they run as programs.  The hooks and step-prepare give up by themselves at
-the config's ``hook_deadline``; the daemon kills a worker still running
-``HOOK_GRACE`` seconds later, and its clients wait no longer than that either, so
-no hook ever runs twice at once.  A hook's answer is 0 whatever went wrong inside
-the daemon (hooklog.py: only a node fault may drain a node).
+It serves what its starter routes to it (``routes``: ``tfimage.main`` passes the
+CLI, the prolog and the epilog), so this library never imports its callers.
 
-A second socket, ``resolve.sock`` (mode 0666), serves every local user one thing:
-pinning a reference at submit (see pinserver.py for its request and its trust).
-A request must arrive whole within ``RESOLVE_READ`` seconds (not per read: a byte
-every second holds nothing for long); at most ``MAX_RESOLVERS`` run at once and at
-most ``MAX_RESOLVERS_PER_UID`` for one user, so one user's flood leaves the other
-slots to everyone else.  Beyond those, a request is answered "busy" at once and
-the plugin pins by itself.
+Trust: the root socket is created mode 0600 in a root-owned directory, and each
+peer's uid is checked (SO_PEERCRED): only root (slurmstepd, the hooks) is served,
+and only ``step-prepare`` and the node hooks, their arguments parsed by the same
+strict parsers as when they run as programs (agent/wire.py).  The hooks and
+step-prepare give up by themselves at the config's ``hook_deadline``; the daemon
+kills a worker (and what it started) still running two thirds of ``HOOK_GRACE``
+later, and its clients wait ``HOOK_GRACE``, so no hook ever runs twice at once.  A
+hook's answer is 0 whatever went wrong inside the daemon (hooklog.py: only a node
+fault may drain a node).
 
-Protocol: see spank/daemon.c.
+The pin socket, ``pin.sock`` (mode 0666), serves every local user one thing:
+pinning a reference at submit (pinserver.py: its request and its trust).  A request
+must arrive whole within ``PIN_READ`` seconds (not per read: a byte every second
+holds nothing for long); at most ``MAX_PINS`` run at once and at most
+``MAX_PINS_PER_UID`` for one user, so one user's flood leaves the other slots to
+everyone else.  Beyond those, a request is answered "busy" at once and the plugin
+pins by itself.
+
+``--trace FILE`` (an operator's, and the wire tests') appends each request and its
+answer to FILE as a JSON line, mode 0600.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 import selectors
 import signal
@@ -39,22 +45,25 @@ import stat
 import struct
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from tfimage.agent.config import HOOK_GRACE, Config
-from tfimage.agent.errors import TfimageError
+from tfimage.agent import wire
+from tfimage.agent.config import Config, load_config
+from tfimage.agent.errors import RequestError, TfimageError
 from tfimage.agent.logtext import oneline
 
-MAGIC = b"TFI1\0"
-MAX_RESOLVERS = 16
-MAX_RESOLVERS_PER_UID = 4
-RESOLVE_DEADLINE = 60  # seconds; the plugin gives up sooner (submit_timeout)
-RESOLVE_READ = 2.0  # seconds for a whole request on the users' socket
+Route = Callable[[list[str]], int]
+
+MAX_PINS = 16
+MAX_PINS_PER_UID = 4
+PIN_DEADLINE = 60  # seconds; the plugin gives up sooner (submit_timeout)
+PIN_READ = 2.0  # seconds for a whole request on the users' socket
 ROOT_READ = 10.0  # and on the root socket
 MAX_REQUEST = 1 << 20
-COMMANDS = frozenset({"step-prepare"})
-# The node hooks, run through spank/hook.c (tfimage-hook) from prolog.d/epilog.d.
-HOOKS = frozenset({"tfimage-prolog", "tfimage-epilog"})
+COMMANDS = frozenset({wire.STEP_PREPARE})
+HOOKS = frozenset(wire.HOOKS)
+CLI = "tfimage"  # the route for COMMANDS: the tfimage command's main
 _ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C.UTF-8"}
 
 
@@ -90,22 +99,18 @@ def _read_argv(conn: socket.socket, limit: int, timeout: float) -> list[str] | N
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TfimageError(f"daemon: request not complete within {timeout:g} s")
+            raise RequestError(f"daemon: request not complete within {timeout:g} s")
         conn.settimeout(left)
         try:
             chunk = conn.recv(65536)
         except TimeoutError:
-            raise TfimageError(f"daemon: request not complete within {timeout:g} s") from None
+            raise RequestError(f"daemon: request not complete within {timeout:g} s") from None
         if not chunk:
             break
         data += chunk
         if len(data) > limit:
-            raise TfimageError("daemon: request too large")
-    if not data:
-        return None
-    if not data.startswith(MAGIC) or not data.endswith(b"\0"):
-        raise TfimageError("daemon: malformed request")
-    return [t.decode("utf-8", "surrogateescape") for t in data[len(MAGIC) : -1].split(b"\0")]
+            raise RequestError("daemon: request too large")
+    return wire.decode_request(data)
 
 
 def _read_request(conn: socket.socket) -> list[str] | None:
@@ -117,23 +122,8 @@ def _read_request(conn: socket.socket) -> list[str] | None:
         return argv
     command = next((a for a in argv if not a.startswith("-") and a not in _option_values(argv)), "")
     if command not in COMMANDS:
-        raise TfimageError(f"daemon: command {command[:40]!r} is not served")
+        raise RequestError(f"daemon: command {command[:40]!r} is not served")
     return argv
-
-
-def _run(argv: list[str]) -> int:
-    """The entry point a request names: a node hook, or the ``tfimage`` CLI."""
-    if argv and argv[0] == "tfimage-prolog":
-        from tfimage.prolog.main import main as prolog
-
-        return prolog(argv[1:])
-    if argv and argv[0] == "tfimage-epilog":
-        from tfimage.epilog.main import main as epilog
-
-        return epilog(argv[1:])
-    from tfimage.agent.cli.main import main
-
-    return main(argv)
 
 
 def _option_values(argv: list[str]) -> set[str]:
@@ -141,28 +131,56 @@ def _option_values(argv: list[str]) -> set[str]:
     return {argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"}
 
 
-def _work(conn: socket.socket) -> None:
+class _Trace:
+    """--trace: each request and answer as a JSON line (argv as sent, stdout in
+    base64: step-prepare's answer is NUL-separated)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    def write(self, socket_kind: str, argv: list[str] | None, status: int, out: bytes) -> None:
+        if self.path is None or argv is None:
+            return
+        line = json.dumps(
+            {
+                "socket": socket_kind,
+                "argv": argv,
+                "status": status,
+                "stdout": base64.b64encode(out).decode(),
+            }
+        )
+        with contextlib.suppress(OSError):
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, (line + "\n").encode())
+            finally:
+                os.close(fd)
+
+
+def _work(conn: socket.socket, routes: Mapping[str, Route], trace: _Trace) -> None:
     """In the forked worker: run one request with stdout and stderr captured."""
     started = time.monotonic()
     status, out, err = 70, b"", b""
     what = ["?"]
     hook = False
+    argv: list[str] | None = None
     try:
         if _peer_uid(conn) != 0:
             print("tfimage: daemon: refused a non-root peer", file=sys.stderr, flush=True)
             return  # not root: say nothing
-        request = _read_request(conn)
-        if request is None:
+        argv = _read_request(conn)
+        if argv is None:
             return
-        argv = request
         hook = argv[0] in HOOKS
-        what = [argv[0] if hook else "step-prepare", *_ids(argv)]
-        status, out, err = _captured(argv)
+        what = [argv[0] if hook else wire.STEP_PREPARE, *_ids(argv)]
+        route: Route = routes[argv[0]] if hook else routes[CLI]
+        status, out, err = _captured(route, argv[1:] if hook else argv)
     except Exception as e:  # the daemon's own trouble: one line, never a traceback
         cause = str(e) if isinstance(e, TfimageError) else f"{type(e).__name__}: {e}"
         err = f"tfimage: daemon: {cause}\n".encode()
         status = 0 if hook else 70  # a hook's outcome is never the daemon's fault
     _answer(conn, status, err, out)
+    trace.write("root", argv, status, out)
     took = (time.monotonic() - started) * 1000
     print(
         f"tfimage: daemon: {oneline(' '.join(what))} -> {status} in {took:.0f} ms",
@@ -174,18 +192,16 @@ def _work(conn: socket.socket) -> None:
 def _ids(argv: list[str]) -> list[str]:
     """``job N step M`` from a request's ``--job=N --step=M`` (for the log line)."""
     out: list[str] = []
-    for i, a in enumerate(argv):
+    for a in argv:
         for name in ("job", "step"):
             if a.startswith(f"--{name}="):
                 out += [name, a.split("=", 1)[1]]
-            elif a == f"--{name}" and i + 1 < len(argv):
-                out += [name, argv[i + 1]]
     return out[:4]
 
 
-def _captured(argv: list[str]) -> tuple[int, bytes, bytes]:
-    """Run ``argv``'s entry point with fds 1 and 2 captured: (status, stdout, the
-    tail of stderr, which explains a failure)."""
+def _captured(route: Route, argv: list[str]) -> tuple[int, bytes, bytes]:
+    """Run ``route(argv)`` with fds 1 and 2 captured: (status, stdout, the tail of
+    stderr, which explains a failure)."""
     out_fd, err_fd = os.memfd_create("out"), os.memfd_create("err")
     saved = os.dup(1), os.dup(2)
     sys.stdout.flush()
@@ -194,7 +210,7 @@ def _captured(argv: list[str]) -> tuple[int, bytes, bytes]:
     os.dup2(err_fd, 2)
     try:
         try:
-            status = _run(argv)
+            status = route(argv)
         except SystemExit as e:  # argparse's usage errors
             status = e.code if isinstance(e.code, int) else 2
         sys.stdout.flush()
@@ -208,70 +224,81 @@ def _captured(argv: list[str]) -> tuple[int, bytes, bytes]:
     return status, out, err
 
 
-def _resolve(conn: socket.socket, cfg: Config) -> None:
+def _pin(conn: socket.socket, cfg: Config, trace: _Trace) -> None:
     """In the forked worker: pin one reference for any local user (pinserver.py)."""
     from tfimage.agent.daemon import pinserver
 
     started = time.monotonic()
     uid = -1
+    argv: list[str] | None = None
     status, out, err = pinserver.RETRY_YOURSELF, "", ""
     try:
         uid = _peer_uid(conn)
-        argv = _read_argv(conn, pinserver.MAX_REQUEST, RESOLVE_READ)
+        argv = _read_argv(conn, pinserver.MAX_REQUEST, PIN_READ)
         if argv is None:
             return
-        status, out, err = pinserver.answer(cfg, pinserver.parse_request(argv), uid)
-    except (TfimageError, OSError) as e:
+        status, out, err = pinserver.answer(cfg, wire.decode_submit_check(argv), uid)
+    except TfimageError as e:
         err = f"tfimage: {e}\n"
     except Exception as e:  # a bug: one line, and the plugin pins by itself
-        err = f"tfimage: resolver: internal error: {type(e).__name__}: {e}\n"
+        err = f"tfimage: pin server: internal error: {type(e).__name__}: {e}\n"
     _answer(conn, status, err.encode(), out.encode())
+    trace.write("pin", argv, status, out.encode())
     took = (time.monotonic() - started) * 1000
-    print(f"tfimage: daemon: resolve uid {uid} -> {status} in {took:.0f} ms", file=sys.stderr)
+    print(f"tfimage: daemon: pin uid {uid} -> {status} in {took:.0f} ms", file=sys.stderr)
 
 
 def _answer(conn: socket.socket, status: int, err: bytes, out: bytes) -> None:
     with contextlib.suppress(OSError):
-        conn.sendall(struct.pack(">iI", status, len(err)) + err + out)
+        conn.sendall(wire.encode_answer(status, err, out))
 
 
-def serve(path: Path, cfg: Config, resolve_path: Path | None = None) -> int:
+def serve(
+    path: Path,
+    cfg: Config,
+    routes: Mapping[str, Route],
+    pin_path: Path | None = None,
+    *,
+    config_path: Path | None = None,
+    trace: Path | None = None,
+) -> int:
+    """Serve until SIGTERM.  ``routes``: the entry points for the hooks (by program
+    name) and for ``CLI``; ``config_path``: read again at each root request for
+    its deadline (an edited config is honoured without a restart)."""
     # Everything a step or a pin needs, imported once, before the first request
     # (a forked worker would otherwise import it again each time: the registry
     # client and its hashlib are ~8 ms).
     import tfimage.agent.cache.download
-    import tfimage.agent.cli.main
     import tfimage.agent.daemon.pinserver
+    import tfimage.agent.registry.access
     import tfimage.agent.registry.client
     import tfimage.agent.registry.credentials
     import tfimage.agent.registry.transport
     import tfimage.agent.step.binds
     import tfimage.agent.step.plan
     import tfimage.agent.step.taskenv
-    import tfimage.agent.submit.pin
-    import tfimage.epilog.main
-    import tfimage.prolog.main  # noqa: F401
+    import tfimage.agent.submit.pin  # noqa: F401
 
     os.environ.clear()
     os.environ.update(_ENV)
     listeners = {_bind(path): "root"}
-    if resolve_path is not None:
-        listeners[_bind(resolve_path, 0o666)] = "resolve"
+    if pin_path is not None:
+        listeners[_bind(pin_path, 0o666)] = "pin"
     sel = selectors.DefaultSelector()
     for sock, kind in listeners.items():
         sock.setblocking(False)
         sel.register(sock, selectors.EVENT_READ, (sock, kind))
     print(f"tfimage: daemon listening on {path}", file=sys.stderr, flush=True)
-    if resolve_path is not None:
-        print(f"tfimage: daemon resolving on {resolve_path}", file=sys.stderr, flush=True)
+    if pin_path is not None:
+        print(f"tfimage: daemon pinning on {pin_path}", file=sys.stderr, flush=True)
     parent = os.getpid()
     # systemctl stop (SIGTERM): leave no socket behind for clients to find dead.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        _loop(sel, listeners, cfg)
+        _loop(sel, listeners, cfg, routes, config_path, _Trace(trace))
     finally:
         if os.getpid() == parent:
-            for p in (path, resolve_path):
+            for p in (path, pin_path):
                 if p is not None:
                     with contextlib.suppress(OSError):
                         p.unlink()
@@ -283,48 +310,59 @@ class _Workers:
 
     def __init__(self) -> None:
         self.due: dict[int, float] = {}
-        self.resolving: dict[int, int] = {}  # pid -> the peer's uid
+        self.pinning: dict[int, int] = {}  # pid -> the peer's uid
 
     def add(self, pid: int, limit: float, uid: int | None) -> None:
         self.due[pid] = time.monotonic() + limit
         if uid is not None:
-            self.resolving[pid] = uid
+            self.pinning[pid] = uid
 
     def busy(self, uid: int) -> bool:
         """Whether a pin for ``uid`` must wait: all slots taken, or this user's."""
-        mine = sum(1 for u in self.resolving.values() if u == uid)
-        return len(self.resolving) >= MAX_RESOLVERS or mine >= MAX_RESOLVERS_PER_UID
+        mine = sum(1 for u in self.pinning.values() if u == uid)
+        return len(self.pinning) >= MAX_PINS or mine >= MAX_PINS_PER_UID
 
     def reap(self) -> None:
-        """Forget the workers that ended; kill those past their limit (a worker
-        whose own deadline failed must not outlive what its client waits for)."""
+        """Forget the workers that ended; kill those past their limit, with what they
+        started (each worker leads its own process group): a worker whose own
+        deadline failed must not outlive what its client waits for."""
         now = time.monotonic()
         for pid, due in list(self.due.items()):
             if now > due:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
         while self.due:
             try:
                 pid, _ = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 self.due.clear()
-                self.resolving.clear()
+                self.pinning.clear()
                 return
             if pid == 0:
                 return
             self.due.pop(pid, None)
-            self.resolving.pop(pid, None)
+            self.pinning.pop(pid, None)
+
+
+def _root_limit(cfg: Config, config_path: Path | None) -> float:
+    """How long a root request's worker may run: its hook_deadline (as the config
+    says now), and two thirds of the grace its client waits beyond that."""
+    deadline = cfg.hook_deadline
+    if config_path is not None:
+        with contextlib.suppress(TfimageError):
+            deadline = load_config(config_path).hook_deadline
+    return deadline + wire.HOOK_GRACE * 2 / 3
 
 
 def _loop(
     sel: selectors.BaseSelector,
     listeners: dict[socket.socket, str],
     cfg: Config,
+    routes: Mapping[str, Route],
+    config_path: Path | None,
+    trace: _Trace,
 ) -> None:
     workers = _Workers()
-    # A hook or step gives up by itself at hook_deadline; its worker is killed a
-    # little later, before the client (HOOK_GRACE beyond the deadline) stops waiting.
-    root_limit = cfg.hook_deadline + HOOK_GRACE * 2 / 3
     while True:
         ready = sel.select(timeout=1.0)
         workers.reap()
@@ -336,7 +374,7 @@ def _loop(
                 continue
             conn.setblocking(True)
             uid = None
-            if kind == "resolve":
+            if kind == "pin":
                 try:
                     uid = _peer_uid(conn)
                 except OSError:
@@ -349,23 +387,27 @@ def _loop(
                     # reset (the plugin pins by itself either way).
                     with contextlib.suppress(OSError):
                         conn.recv(MAX_REQUEST, socket.MSG_DONTWAIT)
-                    _answer(conn, 75, b"tfimage: resolver: busy\n", b"")
+                    _answer(conn, 75, b"tfimage: pin server: busy\n", b"")
                     conn.close()
                     continue
+            limit = _root_limit(cfg, config_path) if kind == "root" else PIN_DEADLINE
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
+                os.setpgid(0, 0)  # so that a kill takes the tools it started too
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 for s in listeners:
                     s.close()
                 try:
                     if kind == "root":
-                        _work(conn)
+                        _work(conn, routes, trace)
                     else:
-                        _resolve(conn, cfg)
+                        _pin(conn, cfg, trace)
                 finally:
                     conn.close()
                     sys.stderr.flush()
                     os._exit(0)
-            workers.add(pid, root_limit if kind == "root" else RESOLVE_DEADLINE, uid)
+            with contextlib.suppress(OSError):  # the child may have done it already
+                os.setpgid(pid, pid)
+            workers.add(pid, limit, uid)
             conn.close()

@@ -1,6 +1,6 @@
 """``--tf-mount=SRC:DST[:ro|rw][,...]`` and the admin's default mounts, parsed strictly.
 
-Sources must lie under one of the admin's allowed prefixes (``mount_prefixes``),
+Sources must lie under one of the admin's allowed prefixes (``bind_prefixes``),
 compared on whole path components, so ``/data`` allows ``/data/x`` but not
 ``/database``.  Destinations may not cover the container's system directories.
 """
@@ -12,7 +12,7 @@ import os
 from tfimage.agent.errors import BindError
 from tfimage.agent.step.runtime import Bind
 
-MAX_MOUNTS = 32
+MAX_BINDS = 32
 # Names of the image's system directories, compared as strings, never opened.
 _RESERVED = tuple(
     "/" + d
@@ -31,13 +31,13 @@ def under(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + "/") or prefix == "/"
 
 
-def parse_mounts(text: str, allowed_prefixes: tuple[str, ...]) -> list[Bind]:
+def parse_binds(text: str, allowed_prefixes: tuple[str, ...]) -> list[Bind]:
     """Parse a comma-separated mount list; raise :class:`BindError` naming the problem."""
     if not text:
         return []
     items = text.split(",")
-    if len(items) > MAX_MOUNTS:
-        raise BindError(f"--tf-mount: at most {MAX_MOUNTS} mounts")
+    if len(items) > MAX_BINDS:
+        raise BindError(f"--tf-mount: at most {MAX_BINDS} mounts")
     out: list[Bind] = []
     for spec in items:
         parts = spec.split(":")

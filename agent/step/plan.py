@@ -24,7 +24,7 @@ from tfimage.agent.errors import (
 from tfimage.agent.fsutil import write_json
 from tfimage.agent.logtext import oneline
 from tfimage.agent.step import imagemount
-from tfimage.agent.step.binds import parse_mounts, under
+from tfimage.agent.step.binds import parse_binds, under
 from tfimage.agent.step.runtime import Bind, Runtime, StepSpec, runtime_for
 from tfimage.agent.step.taskenv import task_env
 from tfimage.agent.step.userpath import realpaths_as
@@ -203,7 +203,7 @@ def plan_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) ->
     if req.uid == 0:
         raise RuntimeSetupError("refusing to run a container task as root")
     env = step_env(cfg, req)  # layout errors first: they are the user's to fix
-    user_binds = _resolved(cfg, req.uid, parse_mounts(req.tf_mount, cfg.mount_prefixes))
+    user_binds = _resolved(cfg, req.uid, parse_binds(req.tf_mount, cfg.bind_prefixes))
     runtime = runtime_for(cfg.runtime, cfg.runtime_path)
     argv = _step_argv(cfg, req, runtime, user_binds, cache)
     if runtime.name == "charliecloud":
@@ -227,10 +227,10 @@ def _resolved(cfg: Config, uid: int, binds: list[Bind]) -> list[Bind]:
         if real is None:
             out.append(b)
             continue
-        if not any(under(real, p) for p in cfg.mount_prefixes):
+        if not any(under(real, p) for p in cfg.bind_prefixes):
             raise BindError(
                 f"--tf-mount {b.src}: it leads to {oneline(real)}, outside the allowed "
-                f"prefixes ({', '.join(cfg.mount_prefixes)})"
+                f"prefixes ({', '.join(cfg.bind_prefixes)})"
             )
         out.append(Bind(real, b.dst, b.read_only))
     return out
@@ -246,7 +246,7 @@ def _step_argv(
     """The argv prefix that runs a task of this step inside its image."""
     workdir = imagemount.safe_abspath(req.workdir, "working directory") if req.workdir else None
     binds = list(user_binds)
-    for d in parse_mounts(",".join(cfg.default_mounts), ("/",)):
+    for d in parse_binds(",".join(cfg.default_binds), ("/",)):
         # The admin's defaults: skipped where the node lacks them, and the user's win.
         if Path(d.src).exists() and not any(b.dst == d.dst for b in binds):
             binds.append(d)

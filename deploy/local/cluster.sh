@@ -35,6 +35,7 @@ ROBOT='robot$tfimage+ci'
 ENV_FILE=$REPO/build/cluster.env
 FLAVOR=${SLURM_FLAVOR:-host}
 ROOT=""   # the other Slurm's chroot, when FLAVOR=other
+DAEMON_ARGS=()  # more arguments for `tfimage daemon` (cluster.sh daemon NODE ARGS...)
 
 # Run a Slurm or munge program of the selected flavor.
 in_root() { if [ -n "$ROOT" ]; then chroot "$ROOT" "$@"; else "$@"; fi; }
@@ -109,7 +110,7 @@ down() {
     # What the login node's daemon left in this host's (or the chroot's) /run/tfimage.
     local login_run=/run/tfimage
     [ ! -f "$RUN/chroot.root" ] || login_run=$(cat "$RUN/chroot.root")/run/tfimage
-    rm -f "$login_run/daemon.sock" "$login_run/resolve.sock" "$login_run/last-seen.json"
+    rm -f "$login_run/daemon.sock" "$login_run/pin.sock" "$login_run/resolve.sock" "$login_run/last-seen.json"
     stop_pid "$RUN/slurmctld.pid"
     stop_pid "$RUN/registry.pid"
     stop_pid "$RUN/munged.pid"
@@ -393,8 +394,8 @@ tfimage_runtime: charliecloud
 tfimage_cache_dir: /var/cache/tfimage
 tfimage_state_dir: /run/tfimage
 # The seed's default mount, with the site's data at $STATE/data standing in for /data.
-tfimage_default_mounts: ["$STATE/data:/mnt"]
-tfimage_mount_prefixes: [/home, /data, "$STATE/data"]
+tfimage_default_binds: ["$STATE/data:/mnt"]
+tfimage_bind_prefixes: [/home, /data, "$STATE/data"]
 tfimage_maintenance: cron
 YML
     )
@@ -411,36 +412,40 @@ deploy_role() {
 # the node's own namespaces: its /run/tfimage, its /opt/tfimage.  Stopped with the
 # node (kill_ns_procs).  TFIMAGE_DAEMON=0 leaves it out: the plugin then runs the
 # helper for every step, as on a node where the daemon is down.
-start_daemon() {
+start_daemon() { # NODE [DAEMON ARGS...]
     local n=$1
+    shift
     [ "${TFIMAGE_DAEMON:-1}" = 1 ] || return 0
+    DAEMON_ARGS=("$@")
     run_daemon "$n" "the tfimage daemon on $n" nsenter -t "$(cat "$RUN/slurmd-$n.pid")" -m -u -n --
 }
 
 # The login node's daemon (this host, or the other Slurm's tree): srun, sbatch and
-# salloc here pin through its resolver socket instead of starting Python.
+# salloc here pin through its pin socket instead of starting Python.
 # TFIMAGE_DAEMON=0 leaves it out too.
-start_login_daemon() {
-    local pre=()
+start_login_daemon() { # [DAEMON ARGS...]
+    local pre=() args=("$@")
     [ "${TFIMAGE_DAEMON:-1}" = 1 ] || return 0
     [ -z "$ROOT" ] || pre=(chroot "$ROOT")
     stop_pid "$RUN/daemon-login.pid"
     mkdir -p "$ROOT/run/tfimage"
+    DAEMON_ARGS=("${args[@]}")
     run_daemon login "the login node's tfimage daemon" "${pre[@]}"
 }
 
-# run_daemon NAME WHAT [PREFIX...]: `tfimage daemon` under PREFIX (nsenter, chroot),
-# logged to daemon-NAME.log, its pid in daemon-NAME.pid; waits until it listens.
+# run_daemon NAME WHAT [PREFIX...]: `tfimage daemon ${DAEMON_ARGS[@]}` under PREFIX
+# (nsenter, chroot), logged to daemon-NAME.log, its pid in daemon-NAME.pid; waits
+# until it listens.
 run_daemon() {
     local name=$1 what=$2
     shift 2
     : >"$LOGS/daemon-$name.log"
     env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin setsid "$@" \
-        "$PREFIX/bin/tfimage" --config "$ETC/tfimage/config.yaml" daemon \
+        "$PREFIX/bin/tfimage" --config "$ETC/tfimage/config.yaml" daemon "${DAEMON_ARGS[@]}" \
         >>"$LOGS/daemon-$name.log" 2>&1 </dev/null &
     echo $! >"$RUN/daemon-$name.pid"
     for _ in $(seq 100); do
-        grep -q "daemon resolving" "$LOGS/daemon-$name.log" 2>/dev/null && return 0
+        grep -q "daemon pinning" "$LOGS/daemon-$name.log" 2>/dev/null && return 0
         sleep 0.1
     done
     tail -5 "$LOGS/daemon-$name.log" >&2
@@ -566,9 +571,10 @@ case "${1:-}" in
     up) up ;;
     down) down ;;
     status) status ;;
-    daemon)  # (re)start one node's tfimage daemon, or the login node's
+    daemon)  # (re)start one node's tfimage daemon, or the login node's, with any
+        # further arguments for `tfimage daemon` (e.g. --trace FILE).
         # In the running cluster's tree, whatever SLURM_FLAVOR says now.
         [ ! -f "$RUN/chroot.root" ] || ROOT=$(cat "$RUN/chroot.root")
-        if [ "${2:?node}" = login ]; then start_login_daemon; else start_daemon "$2"; fi ;;
-    *) echo "usage: cluster.sh up|down|status|daemon NODE" >&2; exit 2 ;;
+        if [ "${2:?node}" = login ]; then start_login_daemon "${@:3}"; else start_daemon "$2" "${@:3}"; fi ;;
+    *) echo "usage: cluster.sh up|down|status|daemon NODE|login [DAEMON ARGS...]" >&2; exit 2 ;;
 esac

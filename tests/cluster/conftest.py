@@ -197,3 +197,19 @@ def push(cluster: Cluster, sif: Path, ref: str) -> str:
     )
     assert r.returncode == 0, r.stderr
     return r.stdout.strip().rsplit("@", 1)[1]
+
+
+def daemon_pid(cluster: Cluster, node: str) -> int | None:
+    """The pid of the tfimage daemon in ``node``'s mount namespace, if one runs."""
+    ns = os.readlink(f"/proc/{cluster.node_pid(node)}/ns/mnt")
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+            ours = b"daemon" in cmd and any(c.endswith(b"/tfimage") for c in cmd)
+            if ours and os.readlink(p / "ns" / "mnt") == ns:
+                return int(p.name)
+        except OSError:
+            continue
+    return None

@@ -11,22 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import REPO, Cluster
-
-
-def _daemon_pid(cluster: Cluster, node: str) -> int | None:
-    ns = os.readlink(f"/proc/{cluster.node_pid(node)}/ns/mnt")
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            cmd = (p / "cmdline").read_bytes().split(b"\0")
-            ours = b"daemon" in cmd and any(c.endswith(b"/tfimage") for c in cmd)
-            if ours and os.readlink(p / "ns" / "mnt") == ns:
-                return int(p.name)
-        except OSError:
-            continue
-    return None
+from conftest import REPO, Cluster, daemon_pid
 
 
 def _log(cluster: Cluster, node: str) -> str:
@@ -51,7 +36,7 @@ def test_the_daemon_serves_steps_and_a_node_without_it_still_runs(
     for n in ("n1", "n2"):
         assert _steps(cluster, n) == before[n] + 1, _log(cluster, n)
 
-    pid = _daemon_pid(cluster, "n2")
+    pid = daemon_pid(cluster, "n2")
     assert pid, "no daemon runs on n2"
     os.kill(pid, signal.SIGKILL)
     try:
@@ -68,7 +53,7 @@ def test_the_daemon_serves_steps_and_a_node_without_it_still_runs(
             ["bash", str(REPO / "deploy/local/cluster.sh"), "daemon", "n2"], check=True, timeout=60
         )
         for _ in range(50):
-            if _daemon_pid(cluster, "n2"):
+            if daemon_pid(cluster, "n2"):
                 break
             time.sleep(0.1)
 

@@ -3,18 +3,18 @@ from __future__ import annotations
 import pytest
 
 from tfimage.agent.errors import BindError
-from tfimage.agent.step.binds import parse_mounts
+from tfimage.agent.step.binds import parse_binds
 from tfimage.agent.step.runtime import Bind
 
 PREFIXES = ("/home", "/data")
 
 
 def test_valid_mounts() -> None:
-    assert parse_mounts("/data/a:/mnt/a:ro,/home/u/x:/x", PREFIXES) == [
+    assert parse_binds("/data/a:/mnt/a:ro,/home/u/x:/x", PREFIXES) == [
         Bind("/data/a", "/mnt/a", True),
         Bind("/home/u/x", "/x", False),
     ]
-    assert parse_mounts("", PREFIXES) == []
+    assert parse_binds("", PREFIXES) == []
 
 
 @pytest.mark.parametrize(
@@ -35,5 +35,5 @@ def test_valid_mounts() -> None:
 )
 def test_bad_mounts_name_the_problem(text: str, why: str) -> None:
     with pytest.raises(BindError, match=why) as e:
-        parse_mounts(text, PREFIXES)
+        parse_binds(text, PREFIXES)
     assert "\n" not in str(e.value)

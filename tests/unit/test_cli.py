@@ -15,7 +15,7 @@ import pytest
 def tfimage(*args: str, config: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TFIMAGE_CONFIG": str(config) if config else "/nonexistent"}
     return subprocess.run(
-        [sys.executable, "-m", "tfimage.agent.cli.main", *args],
+        [sys.executable, "-m", "tfimage.main", *args],
         env=env,
         capture_output=True,
         text=True,

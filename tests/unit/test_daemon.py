@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from support import Registry, ask_daemon, started_daemon
-from tfimage.agent.daemon.server import MAX_RESOLVERS_PER_UID
+from tfimage.agent.daemon.server import MAX_PINS_PER_UID
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the daemon runs as root: run as root")
 
@@ -82,7 +82,7 @@ def test_a_non_root_peer_gets_nothing(daemon: tuple[Path, Path], tmp_path: Path)
     assert "refused a non-root peer" in (tmp_path / "daemon.log").read_text()
 
 
-# --- the resolver socket: any local user, one request shape -------------------------
+# --- the pin socket: any local user, one request shape -------------------------
 
 ASK_AS_USER = """
 import socket, struct, sys
@@ -108,7 +108,7 @@ def resolving(
         "state_dir: {run}" if line.startswith("state_dir:") else line for line in site.splitlines()
     )
     with started_daemon(tmp_path, conf + "\n") as (run, _, _):
-        yield run / "resolve.sock", digest
+        yield run / "pin.sock", digest
 
 
 def _as_nobody(sock: Path, *args: str) -> tuple[int, str, str]:
@@ -128,22 +128,22 @@ def _as_nobody(sock: Path, *args: str) -> tuple[int, str, str]:
 
 def test_any_user_gets_a_tag_pinned(resolving: tuple[Path, str], registry: Registry) -> None:
     sock, digest = resolving
-    args = ("submit-check", "--mounts", "", "--job-image", "", "--", "viad:1")
+    args = ("submit-check", "--tf-mount=", "--job-image=", "--", "viad:1")
     assert _as_nobody(sock, *args) == (0, "", f"{registry.host}/library/viad:1@{digest}")
     status, err, out = _as_nobody(sock, *args[:-1], "Bad:Name:x")
     assert status == 2 and out == "" and err.startswith("tfimage: ")
 
 
-def test_the_resolver_serves_nothing_else(resolving: tuple[Path, str], tmp_path: Path) -> None:
+def test_the_pin_server_serves_nothing_else(resolving: tuple[Path, str], tmp_path: Path) -> None:
     sock, _ = resolving
     for args in (
-        ("--config", "/etc/shadow", "submit-check", "--mounts", "", "--job-image", "", "--", "x"),
+        ("--config", "/etc/shadow", "submit-check", "--tf-mount=", "--job-image=", "--", "x"),
         ("step-prepare", "--job", "1", "--step", "0", "--uid", "0", "--image", "x"),
         ("tfimage-prolog",),
     ):
         status, err, out = _as_nobody(sock, *args)
         assert (status, out) == (75, "") and "malformed request" in err, args
-    assert "resolve uid 65534 -> 75" in (tmp_path / "daemon.log").read_text()
+    assert "pin uid 65534 -> 75" in (tmp_path / "daemon.log").read_text()
 
 
 FLOOD = """
@@ -176,7 +176,7 @@ for c in conns:
 """
 
 
-def test_one_users_flood_leaves_the_resolver_to_everyone_else(
+def test_one_users_flood_leaves_the_pin_server_to_everyone_else(
     resolving: tuple[Path, str],
 ) -> None:
     sock, _ = resolving
@@ -195,7 +195,7 @@ def test_one_users_flood_leaves_the_resolver_to_everyone_else(
         # Another user (root here) is answered at once, not told "busy".
         t = time.monotonic()
         status, err, _ = ask_daemon(
-            sock, "submit-check", "--mounts", "", "--job-image", "", "--", "B A D"
+            sock, "submit-check", "--tf-mount=", "--job-image=", "--", "B A D"
         )
         assert status == 2 and "invalid image reference" in err, err
         assert time.monotonic() - t < 1.0
@@ -203,15 +203,15 @@ def test_one_users_flood_leaves_the_resolver_to_everyone_else(
     finally:
         flood.kill()
         flood.wait()
-    # The flooder held MAX_RESOLVERS_PER_UID workers, each dropped when its request
+    # The flooder held MAX_PINS_PER_UID workers, each dropped when its request
     # was not whole within RESOLVE_READ (however often bytes came); the rest: busy.
     dropped = [a for a in answers if "not complete within 2 s" in a]
     busy = [a for a in answers if a.endswith("busy")]
-    assert (len(dropped), len(busy)) == (MAX_RESOLVERS_PER_UID, 16 - MAX_RESOLVERS_PER_UID)
+    assert (len(dropped), len(busy)) == (MAX_PINS_PER_UID, 16 - MAX_PINS_PER_UID)
     assert all(a.startswith("75 ") for a in answers), answers
 
 
-def test_the_resolver_is_never_fuller_than_its_slots(
+def test_the_pin_server_is_never_fuller_than_its_slots(
     resolving: tuple[Path, str], tmp_path: Path
 ) -> None:
     sock, _ = resolving
@@ -221,20 +221,18 @@ def test_the_resolver_is_never_fuller_than_its_slots(
     # accepts in order, so the share is taken before the next one is looked at.
     held = []
     try:
-        for _ in range(MAX_RESOLVERS_PER_UID):
+        for _ in range(MAX_PINS_PER_UID):
             c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             c.connect(str(sock))
             c.sendall(b"TFI1\0")
             held.append(c)
         t = time.monotonic()
-        status, err, _ = ask_daemon(
-            sock, "submit-check", "--mounts", "", "--job-image", "", "--", "x"
-        )
+        status, err, _ = ask_daemon(sock, "submit-check", "--tf-mount=", "--job-image=", "--", "x")
         assert status == 75 and "busy" in err
         assert time.monotonic() - t < 1.0
         # The held workers give up on their own (the whole request within 2 s)...
         for _ in range(100):
-            if log.read_text().count("resolve uid 0 -> 75") >= MAX_RESOLVERS_PER_UID:
+            if log.read_text().count("pin uid 0 -> 75") >= MAX_PINS_PER_UID:
                 break
             time.sleep(0.1)
         else:
@@ -245,7 +243,7 @@ def test_the_resolver_is_never_fuller_than_its_slots(
     # ...and once the daemon has reaped them (it looks every second), it serves again.
     for _ in range(50):
         status, err, _ = ask_daemon(
-            sock, "submit-check", "--mounts", "", "--job-image", "", "--", "B A D"
+            sock, "submit-check", "--tf-mount=", "--job-image=", "--", "B A D"
         )
         if status != 75:
             break

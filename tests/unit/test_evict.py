@@ -17,13 +17,13 @@ import pytest
 from support import Registry
 from tfimage.agent.cache.evict import prune, remove, usage
 from tfimage.agent.cache.keep import kept_refs, set_kept
-from tfimage.agent.cache.verify import verify
 from tfimage.agent.cache.store import ImageCache
+from tfimage.agent.cache.verify import verify
 from tfimage.agent.config import load_config
 from tfimage.agent.errors import CacheError
 
 DAY = 86400.0
-CLI = (sys.executable, "-m", "tfimage.agent.cli.main")
+CLI = (sys.executable, "-m", "tfimage.main")
 
 
 @pytest.fixture

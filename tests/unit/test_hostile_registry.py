@@ -179,7 +179,7 @@ def test_a_download_that_keeps_breaking_fails_and_the_next_pull_resumes(
 def kill_9_pull_when(config: Path, ready: Callable[[], bool]) -> None:
     """Run `tfimage pull x:1` in a process of its own; SIGKILL it once ``ready()``."""
     puller = subprocess.Popen(
-        [sys.executable, "-m", "tfimage.agent.cli.main", "pull", "x:1"],
+        [sys.executable, "-m", "tfimage.main", "pull", "x:1"],
         env={**os.environ, "TFIMAGE_CONFIG": str(config)},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -1,6 +1,6 @@
-"""The daemon's resolver for the submit side: its one request shape, and its answers
-against a real registry (pinned; input rejected: final; anything else: the plugin
-pins by itself)."""
+"""The daemon's pin server for the submit side: its one request shape (agent/wire.py,
+4), and its answers against a real registry (pinned; input rejected: final; anything
+else: the plugin pins by itself)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,18 @@ import pytest
 
 from support import Registry
 from tfimage.agent.config import load_config
-from tfimage.agent.daemon.pinserver import (
-    RETRY_YOURSELF,
-    RequestError,
-    ResolveRequest,
-    answer,
-    parse_request,
-)
+from tfimage.agent.daemon.pinserver import RETRY_YOURSELF, answer
+from tfimage.agent.errors import RequestError
 from tfimage.agent.submit.lastseen import PER_UID, LastSeen
+from tfimage.agent.wire import SubmitCheck, decode_submit_check
 
-GOOD = ["submit-check", "--mounts", "", "--job-image", "", "--", "tiny:1"]
+GOOD = ["submit-check", "--tf-mount=", "--job-image=", "--", "tiny:1"]
 
 
 def test_the_one_request_shape_is_accepted() -> None:
-    assert parse_request(GOOD) == ResolveRequest(ref="tiny:1", mounts="", job_image="")
-    req = parse_request(["submit-check", "--mounts", "/home/a:/a", "--job-image", "x", "--", "r"])
-    assert (req.mounts, req.job_image, req.ref) == ("/home/a:/a", "x", "r")
+    assert decode_submit_check(GOOD) == SubmitCheck(ref="tiny:1", tf_mount="", job_image="")
+    req = decode_submit_check(["submit-check", "--tf-mount=/home/a:/a", "--job-image=x", "--", "r"])
+    assert (req.tf_mount, req.job_image, req.ref) == ("/home/a:/a", "x", "r")
 
 
 @pytest.mark.parametrize(
@@ -34,19 +30,21 @@ def test_the_one_request_shape_is_accepted() -> None:
     [
         [],
         ["--config", "/etc/shadow", *GOOD],  # no path from the peer, ever
+        ["--config=/etc/shadow", *GOOD],
         [*GOOD, "--offline"],
         ["resolve", *GOOD[1:]],
         ["step-prepare", *GOOD[1:]],
-        ["submit-check", "--job-image", "", "--mounts", "", "--", "tiny:1"],
-        ["submit-check", "--mounts", "", "--job-image", "", "x", "tiny:1"],
+        ["submit-check", "--job-image=", "--tf-mount=", "--", "tiny:1"],
+        ["submit-check", "--tf-mount=", "--job-image=", "x", "tiny:1"],
+        ["submit-check", "--tf-mount", "", "--job-image", "", "--", "tiny:1"],
         [*GOOD[:-1], ""],
         [*GOOD[:-1], "a" * 5000],
-        ["submit-check", "--mounts", "a\0b", "--job-image", "", "--", "tiny:1"],
+        ["submit-check", "--tf-mount=a\0b", "--job-image=", "--", "tiny:1"],
     ],
 )
 def test_anything_else_is_refused(argv: list[str]) -> None:
     with pytest.raises(RequestError, match="malformed request"):
-        parse_request(argv)
+        decode_submit_check(argv)
 
 
 def test_answers_against_a_real_registry(
@@ -57,19 +55,19 @@ def test_answers_against_a_real_registry(
     cfg = load_config(registry.write_site(tmp_path))
     (tmp_path / "state").mkdir()
 
-    status, out, err = answer(cfg, ResolveRequest("resolveme:1", "", ""), 1000)
+    status, out, err = answer(cfg, SubmitCheck("resolveme:1", "", ""), 1000)
     assert (status, err) == (0, "")
     assert out == f"{registry.host}/library/resolveme:1@{digest}\n"
     # What this host saw is kept in its state dir (not root's home), for a registry outage.
     assert digest in (tmp_path / "state" / "last-seen.json").read_text()
 
-    status, out, err = answer(cfg, ResolveRequest("Bad Name:1", "", ""), 1000)
+    status, out, err = answer(cfg, SubmitCheck("Bad Name:1", "", ""), 1000)
     assert status == 2 and out == "" and err.startswith("tfimage: ") and err.count("\n") == 1
-    status, _, err = answer(cfg, ResolveRequest("resolveme:1", "/etc:/x", ""), 1000)
+    status, _, err = answer(cfg, SubmitCheck("resolveme:1", "/etc:/x", ""), 1000)
     assert status == 2 and "--tf-mount" in err
 
     # Not there for this host: the plugin asks again as the user (who may see more).
-    status, out, err = answer(cfg, ResolveRequest("nosuchimage:1", "", ""), 1000)
+    status, out, err = answer(cfg, SubmitCheck("nosuchimage:1", "", ""), 1000)
     assert status == RETRY_YOURSELF and out == "" and "nosuchimage" in err
 
 
@@ -80,7 +78,7 @@ def test_registry_down_uses_what_this_host_saw(registry: Registry, tmp_path: Pat
     dead.write_text(site.read_text().replace(registry.host, "127.0.0.1:1"))
     cfg = load_config(dead)
     (tmp_path / "state").mkdir()
-    status, _, err = answer(cfg, ResolveRequest("seen:1", "", ""), 1000)
+    status, _, err = answer(cfg, SubmitCheck("seen:1", "", ""), 1000)
     assert status == RETRY_YOURSELF and "never seen that tag" in err
     digest = "sha256:" + "c" * 64
     # Another user pinned it while the registry was up: a digest is the registry's
@@ -88,7 +86,7 @@ def test_registry_down_uses_what_this_host_saw(registry: Registry, tmp_path: Pat
     LastSeen(tmp_path / "state" / "last-seen.json").remember(
         "127.0.0.1:1/library/seen:1", digest, 1001
     )
-    status, out, err = answer(cfg, ResolveRequest("seen:1", "", ""), 1000)
+    status, out, err = answer(cfg, SubmitCheck("seen:1", "", ""), 1000)
     assert status == 0 and out.strip().endswith("@" + digest)
     assert "warning" in err and "last digest this host saw" in err
 

@@ -11,7 +11,7 @@ import pytest
 
 from tfimage.agent.config import Config
 from tfimage.agent.errors import BindError
-from tfimage.agent.step.binds import parse_mounts
+from tfimage.agent.step.binds import parse_binds
 from tfimage.agent.step.plan import _resolved
 from tfimage.agent.step.userpath import realpaths_as
 
@@ -44,16 +44,16 @@ def test_links_are_resolved_as_the_user(tree: Path) -> None:
 
 def test_a_link_under_an_allowed_prefix_leading_out_of_it_is_refused(tree: Path) -> None:
     d = tree / "data"
-    cfg = Config(registry="r.invalid", mount_prefixes=(str(d),))
-    binds = parse_mounts(f"{d / 'etc'}:/mnt/etc,{d / 'in'}:/mnt/in", cfg.mount_prefixes)
+    cfg = Config(registry="r.invalid", bind_prefixes=(str(d),))
+    binds = parse_binds(f"{d / 'etc'}:/mnt/etc,{d / 'in'}:/mnt/in", cfg.bind_prefixes)
     with pytest.raises(BindError, match=r"leads to /etc, outside the allowed prefixes"):
         _resolved(cfg, NOBODY, binds)
-    ok = _resolved(cfg, NOBODY, parse_mounts(f"{d / 'in'}:/mnt/in:ro", cfg.mount_prefixes))
+    ok = _resolved(cfg, NOBODY, parse_binds(f"{d / 'in'}:/mnt/in:ro", cfg.bind_prefixes))
     assert [(b.src, b.dst, b.read_only) for b in ok] == [(str(d / "real"), "/mnt/in", True)]
 
 
 def test_a_source_the_user_cannot_see_is_left_for_the_task_to_report(tree: Path) -> None:
     d = tree / "data"
-    cfg = Config(registry="r.invalid", mount_prefixes=(str(d),))
-    got = _resolved(cfg, NOBODY, parse_mounts(f"{d / 'secret/x'}:/mnt/x", cfg.mount_prefixes))
+    cfg = Config(registry="r.invalid", bind_prefixes=(str(d),))
+    got = _resolved(cfg, NOBODY, parse_binds(f"{d / 'secret/x'}:/mnt/x", cfg.bind_prefixes))
     assert [b.src for b in got] == [str(d / "secret/x")]  # as given: the task says why

@@ -1,11 +1,9 @@
-/* Ask the node's tfimage daemon (a warm Python process, `tfimage daemon`) to run a
- * root-side helper command, instead of starting Python for every step.
- *
- * Protocol, one request per connection on a root-only unix socket:
- *   request   "TFI1" NUL, then the helper's arguments, each NUL-terminated;
- *             the client then shuts down its writing side
- *   response  exit status (int32, big-endian; -1: killed), stderr length (uint32),
- *             stderr bytes, then stdout bytes up to EOF
+/* The daemon's client: ask the node's tfimage daemon (a warm Python process,
+ * `tfimage daemon`) to run a helper command or a hook, instead of starting Python
+ * for every step.  The framing is agent/wire.py's (1): one request per connection,
+ * TFI_WIRE_MAGIC and its NUL, the arguments each NUL-terminated, then the writing
+ * side shut; the answer is the status (int32 BE), stderr's length (uint32 BE),
+ * stderr, stdout to EOF.
  * No daemon (no socket, connection refused) returns -2: the caller falls back to
  * running the helper itself, so a stopped daemon costs speed, never a job.  Once
  * a daemon took the request, its answer (or its silence, bounded by the same
@@ -64,7 +62,7 @@ static int send_all(int fd, const char *buf, size_t len, long long deadline)
 	return 0;
 }
 
-int tfi_daemon_call(const char *sock, char *const argv[], int timeout_s, char **out,
+int tfi_ask_daemon(const char *sock, char *const argv[], int timeout_s, char **out,
 		    size_t *out_len, char *errbuf, size_t errlen)
 {
 	struct sockaddr_un sa = { .sun_family = AF_UNIX };
@@ -90,7 +88,7 @@ int tfi_daemon_call(const char *sock, char *const argv[], int timeout_s, char **
 		reqn += strlen(argv[i]) + 1;
 	if (reqn > MAX_REQ || !(req = malloc(reqn)) || !(buf = malloc(cap)))
 		goto out;
-	memcpy(req, "TFI1", 5);
+	memcpy(req, TFI_WIRE_MAGIC, 5);
 	for (int i = 1, off = 5; argv[i]; i++) {
 		size_t l = strlen(argv[i]) + 1;
 

@@ -1,5 +1,6 @@
-/* Run the Python helper: no shell, fixed environment, a hard deadline, and its
- * stderr kept so the caller can replay it only when something failed. */
+/* Spawn a program (the tfimage helper): no shell, a fixed environment, a hard
+ * deadline, and its stderr kept so the caller can replay it only when something
+ * failed. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -40,7 +41,7 @@ void tfi_last_line(const char *buf, size_t len, char *dst, size_t dstlen)
 	dst[end - start] = '\0';
 }
 
-int tfi_run_helper(char *const argv[], int timeout_s, char **out, size_t *out_len,
+int tfi_spawn(char *const argv[], int timeout_s, char **out, size_t *out_len,
 		   char *errbuf, size_t errlen)
 {
 	static char *const envp[] = { "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C.UTF-8",

@@ -1,0 +1,114 @@
+"""The plugin's two hidden commands, as agent/wire.py describes them.
+
+``submit-check`` (srun/sbatch/salloc, as the user, when no pin server answers) and
+``step-prepare`` (slurmstepd, as root, when no daemon answers; the daemon runs the
+same code).  Neither is for people: ``tfimage --help`` lists them as the plugin's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tfimage.agent import wire
+from tfimage.agent.config import Config, load_config
+from tfimage.agent.errors import TfimageError
+
+
+def pin_for_user(cfg: Config, ref_text: str, job_image: str) -> tuple[str, str | None]:
+    """``ref_text`` checked and pinned as this process's user; a fallback's warning."""
+    from tfimage.agent.submit.pin import pin
+
+    pinned, warning = pin(cfg, cfg.reference(ref_text), job_image=job_image or None)
+    return str(pinned), warning
+
+
+def cmd_submit_check(args: argparse.Namespace) -> int:
+    from tfimage.agent.step.binds import parse_binds
+
+    cfg = load_config(args.config)
+    ref = cfg.reference(args.ref)
+    parse_binds(args.tf_mount, cfg.bind_prefixes)
+    if args.offline:
+        print(ref)
+        return 0
+    pinned, warning = pin_for_user(cfg, args.ref, args.job_image)
+    if warning:
+        print(f"tfimage: {warning}", file=sys.stderr)
+    print(pinned)
+    return 0
+
+
+def cmd_step_prepare(args: argparse.Namespace) -> int:
+    from tfimage.agent.deadline import deadline
+    from tfimage.agent.step.plan import StepRequest, plan_step
+
+    if os.geteuid() != 0:
+        raise TfimageError("step-prepare runs as root, from the SPANK plugin")
+    layout = {}
+    for item in args.layout:
+        name, sep, value = item.partition("=")
+        if not sep or name not in wire.LAYOUT_VARS:
+            raise TfimageError(f"step-prepare: unexpected --layout {name[:40]!r}")
+        layout[name] = value
+    req = StepRequest(
+        job_id=args.job,
+        step_id=args.step,
+        uid=args.uid,
+        image=args.image,
+        workdir=args.workdir or None,
+        script=args.script or None,
+        gpus=args.gpus,
+        layout=layout,
+        node_id=args.node_id,
+        local_tasks=args.local_tasks,
+        tf_mount=args.tf_mount,
+    )
+    cfg = load_config(args.config)
+    with deadline(cfg.hook_deadline, "step preparation"):
+        plan = plan_step(cfg, req)
+    sys.stdout.buffer.write(wire.encode_step_answer(plan.argv, plan.sources, plan.env))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The two commands, their flags exactly wire.py's."""
+    sc = sub.add_parser(
+        wire.SUBMIT_CHECK,
+        help="(the plugin's, at submit) check --tf-image and --tf-mount, print the pin",
+        description="What the SPANK plugin runs at submit when no pin server answers: "
+        "check the reference and the --tf-mount value, and print the reference pinned "
+        "to its digest (with the user's own credentials).",
+    )
+    sc.add_argument("ref", help="image reference")
+    sc.add_argument("--tf-mount", default="", help="the job's --tf-mount value")
+    sc.add_argument("--job-image", default="", help="the pinned image of the job it runs in")
+    sc.add_argument("--offline", action="store_true", help="check only; do not pin the tag")
+    sc.set_defaults(func=cmd_submit_check)
+
+    sp = sub.add_parser(
+        wire.STEP_PREPARE,
+        help="(the plugin's, root) ready the image for a step, print how to run its tasks",
+        description="What the SPANK plugin runs as root for each step when no daemon "
+        "answers: ready the image and print the runtime's argv and each task's "
+        "variables (agent/wire.py).",
+    )
+    sp.add_argument("--job", required=True)
+    sp.add_argument("--step", required=True)
+    sp.add_argument("--uid", required=True, type=int)
+    sp.add_argument("--image", required=True)
+    sp.add_argument("--node-id", type=int, default=0)
+    sp.add_argument("--local-tasks", type=int, default=0)
+    sp.add_argument("--workdir", default="")
+    sp.add_argument("--script", default="")
+    sp.add_argument("--tf-mount", default="", help="the step's --tf-mount value")
+    sp.add_argument("--gpus", action="store_true", help="Slurm allocated GPUs to the step")
+    sp.add_argument(
+        "--layout",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a step variable (SLURM_STEP_NODELIST and friends)",
+    )
+    sp.set_defaults(func=cmd_step_prepare)

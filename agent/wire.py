@@ -1,0 +1,259 @@
+"""Every message between the C plugin (``spank/``) and the Python side, in one place.
+
+The C side follows this module: ``spank/wire.h`` defines the same constants, and a
+unit test parses that header against :data:`C_CONSTANTS`.  A cluster test captures
+what the plugin really exchanged in a step (``tfimage daemon --trace``) and checks
+it against the parsers here, both ways.
+
+1. **Daemon request** (``spank/client.c`` -> ``agent/daemon/server.py``), one per
+   connection: ``MAGIC``, then the helper's arguments (``argv[1:]``), each
+   NUL-terminated; then the client shuts down its writing side.  **Answer**: the
+   exit status (int32, big-endian; -1: the worker was killed), the length of
+   stderr (uint32, big-endian), stderr, then stdout up to EOF.  The root socket
+   serves ``step-prepare`` (3) and the node hooks (5); the pin socket, open to
+   every local user, serves ``submit-check`` (4) and nothing else.
+
+2. **step-prepare argv** (``spank/node.c`` -> ``agent/cli/plugin.py``)::
+
+       tfimage --config PATH step-prepare --job=N --step=N --uid=N --image=REF
+           --node-id=N --local-tasks=N [--workdir=PATH] [--script=PATH]
+           [--tf-mount=SPEC] [--gpus] [--layout=NAME=VALUE ...]
+
+   Every value as ``--name=VALUE``: values are the job's, and one starting with
+   ``-`` must stay a value.  :data:`STEP_PREPARE` lists each flag and when the
+   plugin sends it.
+
+3. **step-prepare answer**: NUL-separated tokens, each followed by a NUL::
+
+       argv N a1 .. aN        the runtime's argv prefix (a1 absolute)
+       src PATH               a --tf-mount source each task checks, as the user
+       env L NAME VALUE       set NAME=VALUE in local task L unless the user did
+
+4. **submit-check** (``spank/submit.c`` -> the pin socket, or the helper)::
+
+       tfimage --config PATH submit-check --tf-mount=SPEC --job-image=REF -- REF
+
+   ``--job-image`` is the pinned image of the job an srun runs in (empty outside
+   one).  Answers: 0 and the pinned reference on stdout; 2 the user's input is
+   wrong (final); anything else from the pin socket: the plugin pins by itself.
+
+5. **Node hooks** through ``tfimage-hook`` (``spank/hook.c``) to the root socket::
+
+       tfimage-prolog --config=PATH --job=N --image=REF
+       tfimage-epilog --config=PATH --job=N
+
+   ``tfimage-hook SOCKET DEADLINE PROGRAM ARGS...`` waits ``DEADLINE`` +
+   :data:`HOOK_GRACE` seconds, and runs ``PROGRAM`` itself only when no daemon
+   listens.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tfimage.agent.errors import RequestError
+
+MAGIC = b"TFI1\0"
+ANSWER_HEADER = struct.Struct(">iI")
+# Seconds a caller waits beyond the config's hook_deadline for the helper or a hook
+# to say it gave up (the daemon kills a worker two thirds of the way through).
+HOOK_GRACE = 30
+
+STEP_PREPARE = "step-prepare"
+SUBMIT_CHECK = "submit-check"
+HOOKS = ("tfimage-prolog", "tfimage-epilog")
+
+TOK_ARGV, TOK_SRC, TOK_ENV = "argv", "src", "env"
+
+# The step variables the plugin passes with --layout; everything else is refused.
+LAYOUT_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_STEP_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_STEP_RESV_PORTS",
+)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One step-prepare flag: its name, whether it takes a value, and when the
+    plugin sends it (``always``, or the condition)."""
+
+    name: str
+    value: bool
+    sent: str
+
+
+STEP_PREPARE_FLAGS = (
+    Flag("--job", True, "always"),
+    Flag("--step", True, "always"),
+    Flag("--uid", True, "always"),
+    Flag("--image", True, "always"),
+    Flag("--node-id", True, "always"),
+    Flag("--local-tasks", True, "always"),
+    Flag("--workdir", True, "when the task's working directory is known"),
+    Flag("--script", True, "for the batch step run in the image"),
+    Flag("--tf-mount", True, "when the job gave --tf-mount"),
+    Flag("--gpus", False, "when Slurm allocated GPUs to the step"),
+    Flag("--layout", True, "once per step variable the step has (LAYOUT_VARS)"),
+)
+
+SUBMIT_CHECK_FLAGS = (
+    Flag("--tf-mount", True, "always (empty when the job gave none)"),
+    Flag("--job-image", True, "always (empty outside a job)"),
+)
+
+# What spank/wire.h must define, name for name (tests/unit/test_wire.py).
+C_CONSTANTS: dict[str, str | int] = {
+    "TFI_WIRE_MAGIC": MAGIC[:-1].decode(),
+    "TFI_HOOK_GRACE": HOOK_GRACE,
+    "TFI_CMD_STEP_PREPARE": STEP_PREPARE,
+    "TFI_CMD_SUBMIT_CHECK": SUBMIT_CHECK,
+    "TFI_TOK_ARGV": TOK_ARGV,
+    "TFI_TOK_SRC": TOK_SRC,
+    "TFI_TOK_ENV": TOK_ENV,
+    **{
+        "TFI_ARG_" + f.name[2:].upper().replace("-", "_"): f.name + ("=" if f.value else "")
+        for f in STEP_PREPARE_FLAGS + SUBMIT_CHECK_FLAGS
+    },
+    **{f"TFI_LAYOUT_{i}": v for i, v in enumerate(LAYOUT_VARS)},
+}
+
+
+# -- 1. the daemon's framing ---------------------------------------------------------
+
+
+def encode_request(args: Sequence[str]) -> bytes:
+    return MAGIC + b"".join(a.encode("utf-8", "surrogateescape") + b"\0" for a in args)
+
+
+def decode_request(data: bytes) -> list[str] | None:
+    """A request's arguments; None for an empty one (``tfimage doctor``'s probe)."""
+    if not data:
+        return None
+    if not data.startswith(MAGIC) or not data.endswith(b"\0"):
+        raise RequestError("daemon: malformed request")
+    return [t.decode("utf-8", "surrogateescape") for t in data[len(MAGIC) : -1].split(b"\0")]
+
+
+def encode_answer(status: int, err: bytes, out: bytes) -> bytes:
+    return ANSWER_HEADER.pack(status, len(err)) + err + out
+
+
+def decode_answer(data: bytes) -> tuple[int, bytes, bytes]:
+    if len(data) < ANSWER_HEADER.size:
+        raise RequestError("daemon: short answer")
+    status, elen = ANSWER_HEADER.unpack_from(data)
+    body = data[ANSWER_HEADER.size :]
+    if elen > len(body):
+        raise RequestError("daemon: short answer")
+    return status, body[:elen], body[elen:]
+
+
+# -- 2, 3. step-prepare ----------------------------------------------------------------
+
+
+def step_prepare_flags(args: Sequence[str]) -> list[str]:
+    """The flag names a step-prepare argv (after the command word) uses, each checked
+    against :data:`STEP_PREPARE_FLAGS`: ``--name=value`` for a valued flag, the bare
+    name for the others."""
+    known = {f.name: f for f in STEP_PREPARE_FLAGS}
+    out = []
+    for a in args:
+        name, eq, _ = a.partition("=")
+        flag = known.get(name)
+        if flag is None or flag.value != bool(eq):
+            raise RequestError(f"step-prepare: unexpected argument {a[:40]!r}")
+        out.append(name)
+    return out
+
+
+def encode_step_answer(
+    argv: Sequence[str], sources: Sequence[str], env: dict[int, dict[str, str]]
+) -> bytes:
+    tokens = [TOK_ARGV, str(len(argv)), *argv]
+    for src in sources:
+        tokens += [TOK_SRC, src]
+    for local, names in sorted(env.items()):
+        for name, value in sorted(names.items()):
+            tokens += [TOK_ENV, str(local), name, value]
+    return ("\0".join(tokens) + "\0").encode("utf-8", "surrogateescape")
+
+
+@dataclass(frozen=True)
+class StepAnswer:
+    argv: list[str]
+    sources: list[str]
+    env: dict[int, dict[str, str]]
+
+
+def decode_step_answer(data: bytes) -> StepAnswer:
+    """What spank/node.c's parse_answer takes from the answer, as strictly."""
+    if not data.endswith(b"\0"):
+        raise RequestError("step-prepare answer: not NUL-terminated")
+    tok = data[:-1].decode("utf-8", "surrogateescape").split("\0")
+    if len(tok) < 2 or tok[0] != TOK_ARGV or not tok[1].isdigit():
+        raise RequestError("step-prepare answer: no argv")
+    n = int(tok[1])
+    argv = tok[2 : 2 + n]
+    if not 1 <= n <= 256 or len(argv) != n or not argv[0].startswith("/"):
+        raise RequestError("step-prepare answer: a bad argv")
+    sources: list[str] = []
+    env: dict[int, dict[str, str]] = {}
+    i = 2 + n
+    while i < len(tok):
+        if tok[i] == TOK_SRC and i + 1 < len(tok):
+            sources.append(tok[i + 1])
+            i += 2
+        elif tok[i] == TOK_ENV and i + 3 < len(tok) and tok[i + 1].isdigit():
+            env.setdefault(int(tok[i + 1]), {})[tok[i + 2]] = tok[i + 3]
+            i += 4
+        else:
+            raise RequestError(f"step-prepare answer: unexpected token {tok[i][:40]!r}")
+    return StepAnswer(argv, sources, env)
+
+
+# -- 4. submit-check -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SubmitCheck:
+    ref: str
+    tf_mount: str
+    job_image: str
+
+
+MAX_FIELD = 4096
+
+
+def decode_submit_check(args: Sequence[str]) -> SubmitCheck:
+    """The one shape (4), field by field; anything else is refused."""
+    a = list(args)
+    if (
+        len(a) != 5
+        or a[0] != SUBMIT_CHECK
+        or not a[1].startswith("--tf-mount=")
+        or not a[2].startswith("--job-image=")
+        or a[3] != "--"
+    ):
+        raise RequestError("pin server: malformed request")
+    req = SubmitCheck(ref=a[4], tf_mount=a[1].partition("=")[2], job_image=a[2].partition("=")[2])
+    for value in (req.ref, req.tf_mount, req.job_image):
+        if len(value) > MAX_FIELD or "\0" in value:
+            raise RequestError("pin server: malformed request")
+    if not req.ref:
+        raise RequestError("pin server: malformed request")
+    return req
+
+
+def encode_submit_check(req: SubmitCheck) -> list[str]:
+    return [
+        SUBMIT_CHECK,
+        f"--tf-mount={req.tf_mount}",
+        f"--job-image={req.job_image}",
+        "--",
+        req.ref,
+    ]

@@ -1,0 +1,46 @@
+/*
+ * The wire between the plugin and the Python side: agent/wire.py describes every
+ * message; these are its constants, name for name (tests/unit check them against
+ * wire.C_CONSTANTS).  Every value goes as --name=VALUE: the values are the job's,
+ * and one starting with '-' must stay a value.
+ */
+#ifndef TFIMAGE_WIRE_H
+#define TFIMAGE_WIRE_H
+
+#define TFI_WIRE_MAGIC "TFI1" /* sent with its NUL */
+/* Seconds a caller waits beyond the config's hook_deadline for the helper or a
+ * hook to say it gave up. */
+#define TFI_HOOK_GRACE 30
+
+#define TFI_CMD_STEP_PREPARE "step-prepare"
+#define TFI_CMD_SUBMIT_CHECK "submit-check"
+
+/* step-prepare's answer tokens */
+#define TFI_TOK_ARGV "argv"
+#define TFI_TOK_SRC "src"
+#define TFI_TOK_ENV "env"
+
+/* step-prepare's flags (always: job, step, uid, image, node-id, local-tasks) */
+#define TFI_ARG_JOB "--job="
+#define TFI_ARG_STEP "--step="
+#define TFI_ARG_UID "--uid="
+#define TFI_ARG_IMAGE "--image="
+#define TFI_ARG_NODE_ID "--node-id="
+#define TFI_ARG_LOCAL_TASKS "--local-tasks="
+#define TFI_ARG_WORKDIR "--workdir="
+#define TFI_ARG_SCRIPT "--script="
+#define TFI_ARG_TF_MOUNT "--tf-mount="
+#define TFI_ARG_GPUS "--gpus"
+#define TFI_ARG_LAYOUT "--layout="
+/* submit-check's (and --tf-mount= above) */
+#define TFI_ARG_JOB_IMAGE "--job-image="
+
+/* the step variables passed with --layout= */
+#define TFI_LAYOUT_0 "SLURM_JOB_ID"
+#define TFI_LAYOUT_1 "SLURM_STEP_ID"
+#define TFI_LAYOUT_2 "SLURM_STEP_NODELIST"
+#define TFI_LAYOUT_3 "SLURM_STEP_TASKS_PER_NODE"
+#define TFI_LAYOUT_4 "SLURM_STEP_RESV_PORTS"
+#define TFI_LAYOUTS { TFI_LAYOUT_0, TFI_LAYOUT_1, TFI_LAYOUT_2, TFI_LAYOUT_3, TFI_LAYOUT_4, NULL }
+
+#endif

@@ -1,0 +1,47 @@
+"""The installed ``tfimage`` command, and the one place that knows every entry point.
+
+The node daemon serves the plugin's step preparation and the node hooks from a warm
+process; it learns those entry points from here, so that ``tfimage.agent`` never
+imports its callers (``tfimage.prolog``, ``tfimage.epilog``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tfimage.agent.cli.main import main as cli
+from tfimage.agent.errors import TfimageError
+
+
+def daemon(args: argparse.Namespace) -> int:
+    """``tfimage daemon``: serve the CLI's step-prepare and the hooks."""
+    from tfimage.agent.config import load_config
+    from tfimage.agent.daemon.server import CLI, serve
+    from tfimage.epilog.main import main as epilog
+    from tfimage.prolog.main import main as prolog
+
+    if os.geteuid() != 0:
+        raise TfimageError("daemon: runs as root on a compute or login node")
+    cfg = load_config(args.config)
+    state = Path(cfg.state_dir)
+    pin = None if args.no_pin_server else Path(args.pin_socket or state / "pin.sock")
+    return serve(
+        Path(args.socket or state / "daemon.sock"),
+        cfg,
+        {CLI: cli, "tfimage-prolog": prolog, "tfimage-epilog": epilog},
+        pin,
+        config_path=Path(args.config),
+        trace=Path(args.trace) if args.trace else None,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli(argv, daemon=daemon)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
