@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 all: venv spank
 
 # New modules need a reinstall (strict editable mode links files): watch the folders.
-$(VENV)/.done: pyproject.toml agent prolog epilog src/tfimage
+$(VENV)/.done: pyproject.toml $(shell find agent prolog epilog src/tfimage -type d -not -name __pycache__)
 	bash deploy/local/packages.sh
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]' \
@@ -21,6 +21,7 @@ venv: $(VENV)/.done
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 	bash -n deploy/local/*.sh deploy/local/images/*.sh spank/*.sh tests/*.sh .ci/run
 	bash deploy/local/role.sh venv
 	cd deploy/ansible && PATH=$(CURDIR)/build/ansible/bin:$$PATH ANSIBLE_CONFIG=ansible.cfg ansible-lint -q
