@@ -57,6 +57,8 @@ from tfimage.agent.errors import RequestError
 
 MAGIC = b"TFI1\0"
 ANSWER_HEADER = struct.Struct(">iI")
+# The most stdout the plugin takes in one answer (step-prepare's tokens).
+MAX_ANSWER = 1 << 20
 # Seconds a caller waits beyond the config's hook_deadline for the helper or a hook
 # to say it gave up (the daemon kills a worker two thirds of the way through).
 HOOK_GRACE = 30
@@ -110,6 +112,7 @@ SUBMIT_CHECK_FLAGS = (
 C_CONSTANTS: dict[str, str | int] = {
     "TFI_WIRE_MAGIC": MAGIC[:-1].decode(),
     "TFI_HOOK_GRACE": HOOK_GRACE,
+    "TFI_MAX_ANSWER": MAX_ANSWER,
     "TFI_CMD_STEP_PREPARE": STEP_PREPARE,
     "TFI_CMD_SUBMIT_CHECK": SUBMIT_CHECK,
     "TFI_TOK_ARGV": TOK_ARGV,

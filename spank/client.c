@@ -23,7 +23,7 @@
 
 #include "tfimage.h"
 
-#define MAX_OUT (1 << 20)
+#define MAX_OUT TFI_MAX_ANSWER
 #define MAX_REQ (1 << 20)
 
 /* Wait for fd to be ready for `events` before the deadline: 1 ready, 0 timed out. */

@@ -15,7 +15,7 @@
 
 #include "tfimage.h"
 
-#define MAX_OUT (1 << 20)
+#define MAX_OUT TFI_MAX_ANSWER
 #define MAX_ERR 4096
 
 long long tfi_now_ms(void)

@@ -12,6 +12,7 @@ import pwd
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tfimage.agent import wire
 from tfimage.agent.cache.store import CachedImage, ImageCache
 from tfimage.agent.config import Config
 from tfimage.agent.errors import (
@@ -26,7 +27,7 @@ from tfimage.agent.logtext import oneline
 from tfimage.agent.step import imagemount
 from tfimage.agent.step.binds import parse_binds, under
 from tfimage.agent.step.runtime import Bind, Runtime, StepSpec, runtime_for
-from tfimage.agent.step.taskenv import task_env
+from tfimage.agent.step.taskenv import step_task_envs
 from tfimage.agent.step.userpath import realpaths_as
 
 # The only step variables the plugin passes in; everything else is ignored.
@@ -75,18 +76,16 @@ def step_env(cfg: Config, req: StepRequest) -> dict[int, dict[str, str]]:
         raise StepLayoutError(f"{req.local_tasks} local tasks: more than step_max_tasks")
     if "SLURM_STEP_NODELIST" not in req.layout:
         return {i: dict(cfg.site_env) for i in range(max(1, req.local_tasks))}
-    out = {}
-    for local in range(req.local_tasks):
-        env = {**req.layout, "SLURM_NODEID": str(req.node_id), "SLURM_LOCALID": str(local)}
-        te = task_env(
-            env,
-            site_env=cfg.site_env,
-            port_range=cfg.tf_port_range,
-            single_task_tf_config=cfg.single_task_tf_config,
-            limit=cfg.step_max_tasks,
-        )
-        out[local] = {k: d.value for k, d in te.set.items()}
-    return out
+    return step_task_envs(
+        req.layout,
+        req.node_id,
+        req.local_tasks,
+        site_env=cfg.site_env,
+        single_task_tf_config=cfg.single_task_tf_config,
+        port_range=cfg.tf_port_range,
+        limit=cfg.step_max_tasks,
+        max_bytes=wire.MAX_ANSWER,
+    )
 
 
 class JobRecord:

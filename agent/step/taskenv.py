@@ -21,144 +21,14 @@ Nothing here overrides a variable the user set; the caller applies the result wi
 from __future__ import annotations
 
 import json
-import re
 import socket
 import zlib
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tfimage.agent.errors import StepLayoutError
-from tfimage.agent.logtext import oneline
-
-MAX_HOSTS = 65536
-
-
-def _split_top(text: str) -> Iterator[str]:
-    """The comma-separated names of a hostlist (commas inside brackets are not
-    separators), one at a time: a caller stops at its limit without the rest."""
-    depth = 0
-    start = 0
-    for i, c in enumerate(text):
-        if c == "[":
-            depth += 1
-        elif c == "]":
-            depth -= 1
-            if depth < 0:
-                raise StepLayoutError(f"unbalanced ']' in hostlist {oneline(text, 80)!r}")
-        elif c == "," and depth == 0:
-            yield text[start:i]
-            start = i + 1
-    if depth:
-        raise StepLayoutError(f"unbalanced '[' in hostlist {oneline(text, 80)!r}")
-    yield text[start:]
-
-
-def _ranges(body: str, text: str, limit: int) -> tuple[list[tuple[int, int, int]], int]:
-    """A bracket's ranges as (lo, hi, width), and how many names they make; nothing
-    expanded, and no more than ``limit`` names' worth even parsed."""
-    out: list[tuple[int, int, int]] = []
-    count = 0
-    if body.count(",") >= limit:  # each item names a node at least
-        return out, limit + 1
-    for item in body.split(","):
-        m = re.fullmatch(r"(\d{1,9})(?:-(\d{1,9}))?", item)
-        if not m:
-            raise StepLayoutError(
-                f"bad range {oneline(item, 40)!r} in hostlist {oneline(text, 80)!r}"
-            )
-        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
-        if hi < lo:
-            raise StepLayoutError(
-                f"bad range {oneline(item, 40)!r} in hostlist {oneline(text, 80)!r}"
-            )
-        out.append((lo, hi, len(m.group(1))))
-        count += hi - lo + 1
-        if count > limit:
-            break
-    return out, count
-
-
-def expand_hostlist(text: str, limit: int = MAX_HOSTS) -> list[str]:
-    """``rack[1-2]-n[01-02],gpu9`` -> rack1-n01, rack1-n02, rack2-n01, rack2-n02, gpu9.
-
-    The count (the product of each name's ranges, summed over names) is checked
-    against ``limit`` before a single name is built: the text comes from a job."""
-    parts = []
-    total = 0
-    for part in _split_top(text.strip()):
-        if not part:
-            raise StepLayoutError(f"empty name in hostlist {oneline(text, 80)!r}")
-        pieces = re.split(r"(\[[^\]]*\])", part)
-        parsed: list[str | list[tuple[int, int, int]]] = []
-        count = 1
-        for piece in pieces:
-            if piece.startswith("["):
-                ranges, n = _ranges(piece[1:-1], text, limit)
-                count *= n
-                parsed.append(ranges)
-            else:
-                parsed.append(piece)
-            if count > limit:
-                break
-        total += count
-        if total > limit:
-            raise StepLayoutError(f"hostlist {oneline(text, 80)!r} names more than {limit} nodes")
-        parts.append(parsed)
-    hosts: list[str] = []
-    for parsed in parts:
-        names = [""]
-        for piece in parsed:
-            if isinstance(piece, str):
-                names = [n + piece for n in names]
-            else:
-                names = [
-                    n + str(i).zfill(w)
-                    for n in names
-                    for lo, hi, w in piece
-                    for i in range(lo, hi + 1)
-                ]
-        hosts += names
-    return hosts
-
-
-def expand_counts(text: str, limit: int = MAX_HOSTS) -> list[int]:
-    """``2(x3),1`` -> [2, 2, 2, 1]; at most ``limit`` nodes and ``limit`` tasks in
-    all, checked before expanding."""
-    items = []
-    nodes = tasks = 0
-    for item in text.strip().split(","):
-        m = re.fullmatch(r"(\d{1,9})(?:\(x(\d{1,9})\))?", item)
-        if not m:
-            raise StepLayoutError(
-                f"bad tasks-per-node item {oneline(item, 40)!r} in {oneline(text, 80)!r}"
-            )
-        n, times = int(m.group(1)), int(m.group(2) or 1)
-        nodes += times
-        tasks += n * times
-        if nodes > limit or tasks > limit:
-            raise StepLayoutError(f"tasks-per-node {oneline(text, 80)!r} is more than {limit}")
-        items.append((n, times))
-    return [n for n, times in items for _ in range(times)]
-
-
-def expand_ports(text: str, limit: int = MAX_HOSTS) -> list[int]:
-    """``20000-20003`` or ``20000,20002-20003`` -> the ports, in order (at most
-    ``limit``, checked before expanding)."""
-    ranges = []
-    count = 0
-    for item in text.strip().split(","):
-        m = re.fullmatch(r"(\d{1,5})(?:-(\d{1,5}))?", item)
-        if not m:
-            raise StepLayoutError(f"bad reserved port item {oneline(item, 40)!r}")
-        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
-        if not 0 < lo <= hi < 65536:
-            raise StepLayoutError(f"bad reserved port range {item!r}")
-        count += hi - lo + 1
-        if count > limit:
-            raise StepLayoutError(f"reserved ports {oneline(text, 80)!r} are more than {limit}")
-        ranges.append((lo, hi))
-    return [p for lo, hi in ranges for p in range(lo, hi + 1)]
+from tfimage.agent.step.hostlist import MAX_HOSTS, expand_counts, expand_hostlist, expand_ports
 
 
 def hashed_ports(job_id: str, step_id: str, count: int, lo: int, hi: int) -> list[int]:
@@ -233,21 +103,32 @@ def step_layout(
     return Layout(hosts, tasks, node_id, local_id, ports[:most])
 
 
+_SIOCGIFADDR = 0x8915
+
+
+def _ipv4_of(name: str) -> str | None:
+    """An interface's (primary) IPv4 address, from the kernel (SIOCGIFADDR)."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            got = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(got[20:24])
+
+
 def route_interface(host: str) -> str | None:
     """The interface this node uses to reach ``host`` (None if it can't be told)."""
-    import psutil
-
     try:
         addr = socket.gethostbyname(host)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((addr, 9))  # no packet is sent: this only asks the routing table
             local = s.getsockname()[0]
-    except OSError:
+    except (OSError, ValueError):  # UnicodeError: a name no resolver takes
         return None
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == local for a in addrs):
-            return name
-    return None
+    return next((name for _, name in socket.if_nameindex() if _ipv4_of(name) == local), None)
 
 
 def ib_hcas(sys_root: Path = Path("/sys/class/infiniband")) -> str | None:
@@ -278,6 +159,10 @@ class TaskEnv:
             self.set[name] = Decision(value, why)
 
 
+def _hosts_shown(hosts: list[str]) -> str:
+    return ",".join(hosts) if len(hosts) <= 8 else ",".join(hosts[:8]) + f",... ({len(hosts)})"
+
+
 def task_env(
     env: Mapping[str, str],
     *,
@@ -286,9 +171,13 @@ def task_env(
     port_range: tuple[int, int] = (29000, 29999),
     interface_of: Callable[[str], str | None] = route_interface,
     limit: int = MAX_HOSTS,
+    layout: Layout | None = None,
 ) -> TaskEnv:
+    """The variables of the task ``env`` describes (or of ``layout``, already read
+    from it: a step's tasks share one)."""
     out = TaskEnv()
-    layout = step_layout(env, port_range, limit)
+    if layout is None:
+        layout = step_layout(env, port_range, limit)
     total = sum(layout.tasks)
     if total > 1 or single_task_tf_config:
         cfg = {
@@ -300,7 +189,7 @@ def task_env(
             "TF_CONFIG",
             json.dumps(cfg, separators=(",", ":")),
             f"worker {layout.index} of {total}, host-major over "
-            f"{','.join(layout.hosts)}; ports "
+            f"{_hosts_shown(layout.hosts)}; ports "
             + (
                 "reserved by Slurm"
                 if env.get("SLURM_STEP_RESV_PORTS")
@@ -320,4 +209,47 @@ def task_env(
         out.offer(env, "NCCL_IB_HCA", hcas, "from /sys/class/infiniband")
     for name, value in (site_env or {}).items():
         out.offer(env, name, value, "site default from the tfimage config")
+    return out
+
+
+def step_task_envs(
+    step: Mapping[str, str],
+    node_id: int,
+    local_tasks: int,
+    *,
+    site_env: Mapping[str, str],
+    single_task_tf_config: bool,
+    port_range: tuple[int, int],
+    limit: int,
+    max_bytes: int,
+) -> dict[int, dict[str, str]]:
+    """Each local task's variables, the step's layout read once.  Refused before
+    it is built when every task's TF_CONFIG together would be more than
+    ``max_bytes`` (what the plugin takes in one answer): such a step could not
+    start anyway."""
+    base = {**step, "SLURM_NODEID": str(node_id), "SLURM_LOCALID": "0"}
+    layout = step_layout(base, port_range, limit)
+    if local_tasks > layout.tasks[node_id]:
+        raise StepLayoutError(
+            f"{local_tasks} local tasks, but the step's layout gives node {node_id} "
+            f"{layout.tasks[node_id]}"
+        )
+    per_task = sum(len(h) + 8 for h, n in zip(layout.hosts, layout.tasks, strict=True)) * max(
+        layout.tasks
+    )
+    if per_task * local_tasks > max_bytes:
+        raise StepLayoutError(
+            f"the step's TF_CONFIG for {local_tasks} task(s) here would be about "
+            f"{per_task * local_tasks >> 10} KiB; the plugin takes at most {max_bytes >> 10} KiB"
+        )
+    out = {}
+    for local in range(local_tasks):
+        te = task_env(
+            {**base, "SLURM_LOCALID": str(local)},
+            site_env=site_env,
+            single_task_tf_config=single_task_tf_config,
+            port_range=port_range,
+            layout=replace(layout, local_id=local),
+        )
+        out[local] = {k: d.value for k, d in te.set.items()}
     return out

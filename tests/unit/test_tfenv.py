@@ -8,14 +8,11 @@ import tracemalloc
 
 import pytest
 
-from tfimage.agent.step.taskenv import (
-    StepLayoutError,
-    expand_counts,
-    expand_hostlist,
-    hashed_ports,
-    step_layout,
-    task_env,
-)
+from tfimage.agent.config import Config
+from tfimage.agent.errors import StepLayoutError
+from tfimage.agent.step.hostlist import expand_counts, expand_hostlist
+from tfimage.agent.step.plan import StepRequest, step_env
+from tfimage.agent.step.taskenv import hashed_ports, route_interface, step_layout, task_env
 
 
 @pytest.mark.parametrize(
@@ -169,6 +166,11 @@ HUGE = "a[0-65535][0-65535]"
         ("SLURM_STEP_TASKS_PER_NODE", "1(x999999999)"),
         ("SLURM_STEP_TASKS_PER_NODE", ",".join(["999999999(x1)"] * 20)),
         ("SLURM_STEP_RESV_PORTS", ",".join(["1-65535"] * 20)),
+        # few names, each long: 65536 of 10 KB would be 650 MB
+        ("SLURM_STEP_NODELIST", "x" * 10000 + "[1-65536]"),
+        ("SLURM_STEP_NODELIST", "x" * 65000 + "[1-9]"),
+        ("SLURM_STEP_NODELIST", "x" * 70000),
+        ("SLURM_STEP_TASKS_PER_NODE", "1," * 40000 + "1"),
     ],
 )
 def test_a_hostile_layout_is_refused_before_it_is_expanded(var: str, text: str) -> None:
@@ -183,15 +185,56 @@ def test_a_hostile_layout_is_refused_before_it_is_expanded(var: str, text: str) 
     }
     # Time without tracemalloc (it slows every allocation several times), then memory.
     started = time.monotonic()
-    with pytest.raises(StepLayoutError, match="more than 65536"):
+    why = "more than 65536|longer than"
+    with pytest.raises(StepLayoutError, match=why):
         step_layout(env)
     took = time.monotonic() - started
     tracemalloc.start()
     try:
-        with pytest.raises(StepLayoutError, match="more than 65536"):
+        with pytest.raises(StepLayoutError, match=why):
             step_layout(env)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert took < 1.0, took
     assert peak < 50 << 20, peak >> 20
+
+
+def _request(nodelist: str, tasks: str, local: int) -> StepRequest:
+    layout = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NODELIST": nodelist,
+        "SLURM_STEP_TASKS_PER_NODE": tasks,
+    }
+    return StepRequest("7", "0", 1000, "x:1", layout=layout, node_id=0, local_tasks=local)
+
+
+def test_a_steps_layout_is_bounded_by_the_sites_step_max_tasks() -> None:
+    cfg = Config(registry="r.invalid", step_max_tasks=16)
+    assert len(step_env(cfg, _request("n[1-16]", "1(x16)", 1))) == 1
+    with pytest.raises(StepLayoutError, match="more than 16"):
+        step_env(cfg, _request("n[1-17]", "1(x17)", 1))
+    with pytest.raises(StepLayoutError, match="more than step_max_tasks"):
+        step_env(cfg, _request("n1", "17", 17))
+
+
+def test_every_task_of_a_step_shares_one_layout_and_one_answer_bound() -> None:
+    cfg = Config(registry="r.invalid")
+    env = step_env(cfg, _request("n[1-2]", "4(x2)", 4))
+    workers = [json.loads(env[i]["TF_CONFIG"])["cluster"]["worker"] for i in range(4)]
+    assert all(w == workers[0] for w in workers) and len(workers[0]) == 8
+    assert [json.loads(env[i]["TF_CONFIG"])["task"]["index"] for i in range(4)] == [0, 1, 2, 3]
+    # 64 tasks here, each with a TF_CONFIG of 60000 workers: more than the plugin
+    # takes in one answer, refused before it is built.
+    started = time.monotonic()
+    with pytest.raises(StepLayoutError, match="the plugin takes at most 1024 KiB"):
+        step_env(cfg, _request("n[10000-69999]", "64,1(x59999)", 64))
+    assert time.monotonic() - started < 1.0
+    with pytest.raises(StepLayoutError, match="local tasks, but the step's layout gives"):
+        step_env(cfg, _request("n[1-2]", "1(x2)", 2))
+
+
+def test_the_nccl_interface_is_the_one_routing_to_the_first_node() -> None:
+    assert route_interface("localhost") == "lo"  # the kernel's answer, no psutil
+    assert route_interface("x" * 300) is None  # a name no resolver takes: not a crash
