@@ -77,9 +77,13 @@ def root_partition(f: BinaryIO, file_size: int) -> Partition:
 
 def build_commands(rootfs: Path, sqfs: Path, sif: Path) -> list[list[str]]:
     """How a root filesystem becomes a SIF with Debian's tools: a squashfs owned by
-    root, then a SIF holding it as the primary system partition (what runtimes mount)."""
+    root, without extended attributes (no file capabilities from an image), then a
+    SIF holding it as the primary system partition (what runtimes mount)."""
     return [
-        ["mksquashfs", str(rootfs), str(sqfs), "-all-root", "-noappend", "-quiet", "-comp", "lz4"],
+        [
+            *("mksquashfs", str(rootfs), str(sqfs), "-all-root", "-no-xattrs", "-noappend"),
+            *("-quiet", "-comp", "lz4"),
+        ],
         ["siftool", "new", str(sif)],
         [
             "siftool",

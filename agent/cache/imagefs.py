@@ -67,19 +67,24 @@ def write_file(root: Path, rel: str, data: bytes, mode: int = 0o644) -> None:
     parent, name = os.path.split(rel)
     with open_dir(root, parent) as dfd:
         try:
+            # O_NONBLOCK: a FIFO the image put there would block the open for ever
+            # (it fails with ENXIO instead); anything but a regular file is refused.
             fd = os.open(
                 name,
-                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
                 mode,
                 dir_fd=dfd,
             )
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.EISDIR):
                 raise _refuse(rel, dfd, name) from None
+            if e.errno == errno.ENXIO:
+                raise UnsafeImage(f"the image's /{rel} is not a regular file") from None
             raise
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise UnsafeImage(f"the image's /{rel} is not a regular file")
+            os.ftruncate(fd, 0)  # only now: truncating on open would hit any file type
             os.fchmod(fd, mode)
             view = memoryview(data)
             while view:
@@ -119,23 +124,43 @@ class Stripped:
 
 def strip_privileges(root: Path) -> Stripped:
     """Remove setuid/setgid bits from every non-directory and every block or
-    character device from the tree, links never followed."""
+    character device from the tree.  Walked with directory descriptors and
+    ``lstat`` only: no link of the image's is followed, not even to look."""
     setid: list[str] = []
     devices: list[str] = []
-    for dirpath, dirnames, filenames, dfd in os.fwalk(root, follow_symlinks=False):
-        rel_dir = os.path.relpath(dirpath, root)
-        for name in [*filenames, *dirnames]:
-            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            rel = os.path.normpath(os.path.join(rel_dir, name))
-            if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
-                os.unlink(name, dir_fd=dfd)
-                devices.append(rel)
-            elif stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
-                # A regular file (not a link): chmod through an O_NOFOLLOW descriptor.
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-                try:
-                    os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
-                finally:
-                    os.close(fd)
-                setid.append(rel)
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        _strip(fd, "", setid, devices)
+    finally:
+        os.close(fd)
     return Stripped(setid, devices)
+
+
+MAX_DEPTH = 256  # a descriptor per level on the way down
+
+
+def _strip(dfd: int, rel_dir: str, setid: list[str], devices: list[str], depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        raise UnsafeImage(f"the image nests directories deeper than {MAX_DEPTH} (at /{rel_dir})")
+    for name in os.listdir(dfd):
+        rel = f"{rel_dir}/{name}" if rel_dir else name
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+            try:
+                _strip(sub, rel, setid, devices, depth + 1)
+            finally:
+                os.close(sub)
+        elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+            os.unlink(name, dir_fd=dfd)
+            devices.append(rel)
+        elif stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+            # A regular file (not a link): chmod through an O_NOFOLLOW descriptor.
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd
+            )
+            try:
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
+            finally:
+                os.close(fd)
+            setid.append(rel)

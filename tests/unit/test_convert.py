@@ -6,6 +6,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,9 @@ def test_docker_reference_is_converted_and_cached(registry: Registry, tmp_path: 
     assert not any((cache.root / "tmp").iterdir())  # no work left behind
     with got.path.open("rb") as f:
         assert root_partition(f, got.path.stat().st_size).size > 0
+    # Published as any entry is: with its metadata (else eviction never sees it).
+    meta = {e["digest"]: e for e in cache.entries()}[str(got.ref.digest)]
+    assert meta["source"] == registry.host and "blob" not in meta
     state = tmp_path / "state"
     state.mkdir()
     assert got.ref.digest
@@ -175,3 +179,33 @@ def test_setuid_bits_and_devices_are_stripped_from_a_converted_image(
         "removed setuid/setgid bits from 2 file(s) and 1 device node(s)" in r.getMessage()
         for r in caplog.records
     )
+
+
+def test_a_fifo_where_the_metadata_goes_is_refused_without_hanging(
+    converting: ImageCache, registry: Registry, tmp_path: Path
+) -> None:
+    """Opening a FIFO for writing blocks until a reader comes: as root, for ever."""
+
+    def add_fifo(rootfs: Path) -> None:
+        (rootfs / "ch").mkdir()
+        os.mkfifo(rootfs / "ch" / "environment")
+
+    push_oci_image(registry, tmp_path / "oci", "library/fifo", setup=add_fifo)
+    # An operator's pull (no hook deadline around it), in a process a hang can't keep.
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfimage.main",
+            "--config",
+            str(tmp_path / "config.yaml"),
+            "pull",
+            "docker://fifo:1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 3, r.stderr
+    assert "/ch/environment is not a regular file" in r.stderr
+    assert not list((converting.root / "images").iterdir())
