@@ -4,6 +4,7 @@
  * task's command: spank_prepend_task_argv on Slurm >= 23.11, exec on older. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -278,11 +279,21 @@ int tfi_node_task_init(spank_t sp)
 	}
 	if (!tfi_state.prefix_buf)
 		return 0;
-	/* As the user: a source the user cannot see is reported, not bound. */
+	/* As the user: each source was resolved as the user when the step was
+	 * prepared, and is bound by that real path; it must still be that path (no
+	 * link put in its way since), or nothing is bound. */
 	for (int i = 0; i < tfi_state.sources_len; i++) {
-		if (access(tfi_state.sources[i], F_OK) != 0) {
+		char real[PATH_MAX];
+
+		if (!realpath(tfi_state.sources[i], real)) {
 			fprintf(stderr, "tfimage: --tf-mount: source %s: %s\n", tfi_state.sources[i],
 				strerror(errno));
+			fflush(stderr);
+			return -1;
+		}
+		if (strcmp(real, tfi_state.sources[i]) != 0) {
+			fprintf(stderr, "tfimage: --tf-mount: source %s changed since the step was "
+				"prepared; not bound\n", tfi_state.sources[i]);
 			fflush(stderr);
 			return -1;
 		}

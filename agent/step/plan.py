@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pwd
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,14 +219,16 @@ def plan_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) ->
 
 def _resolved(cfg: Config, uid: int, binds: list[Bind]) -> list[Bind]:
     """The ``--tf-mount`` binds with their sources resolved as the user (userpath.py)
-    and checked against the prefixes again: a link must not lead outside them.  A
-    source the user cannot resolve is kept as given: each task checks it as the user
-    and reports it (spank/node.c)."""
+    and checked against the prefixes again: a link must not lead outside them.  The
+    real path is what is bound, and each task checks, as the user, that it still
+    resolves to itself (spank/node.c) before the runtime binds it."""
     out = []
     for b, real in zip(binds, realpaths_as(uid, [b.src for b in binds]), strict=True):
-        if real is None:
-            out.append(b)
-            continue
+        if ":" in real or "," in real or os.path.normpath(real) != real:
+            # ch-run and apptainer split a bind at its first ':'.
+            raise BindError(
+                f"--tf-mount {b.src}: it leads to {oneline(real)!r}, not a bindable path"
+            )
         if not any(under(real, p) for p in cfg.bind_prefixes):
             raise BindError(
                 f"--tf-mount {b.src}: it leads to {oneline(real)}, outside the allowed "

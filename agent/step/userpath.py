@@ -17,15 +17,17 @@ import signal
 import time
 from collections.abc import Sequence
 
-from tfimage.agent.errors import RuntimeSetupError
+from tfimage.agent.errors import BindError, RuntimeSetupError
+from tfimage.agent.logtext import oneline
 
 TIMEOUT = 10.0  # a hung network filesystem must not hang a step's preparation
 MAX_ANSWER = 1 << 20
 
 
-def realpaths_as(uid: int, paths: Sequence[str], timeout: float = TIMEOUT) -> list[str | None]:
-    """For each path, its real path as ``uid`` sees it (links resolved, strictly), or
-    None where the user cannot resolve it (missing, no permission)."""
+def realpaths_as(uid: int, paths: Sequence[str], timeout: float = TIMEOUT) -> list[str]:
+    """For each path, its real path as ``uid`` sees it (links resolved, strictly).
+    A path the user cannot resolve raises :class:`BindError` saying why (missing,
+    no permission): a source left for later could be re-pointed in between."""
     if not paths:
         return []
     try:
@@ -42,12 +44,14 @@ def realpaths_as(uid: int, paths: Sequence[str], timeout: float = TIMEOUT) -> li
             os.setgroups(groups)
             os.setgid(pw.pw_gid)
             os.setuid(uid)
-            out: list[str | None] = []
+            out: list[list[str]] = []
             for p in paths:
                 try:
-                    out.append(os.path.realpath(p, strict=True))
-                except (OSError, ValueError):
-                    out.append(None)
+                    out.append(["", os.path.realpath(p, strict=True)])
+                except OSError as e:
+                    out.append([e.strerror or "cannot be resolved", ""])
+                except ValueError:
+                    out.append(["cannot be resolved", ""])
             data = json.dumps(out).encode()
             while data:
                 data = data[os.write(w, data) :]
@@ -81,7 +85,14 @@ def realpaths_as(uid: int, paths: Sequence[str], timeout: float = TIMEOUT) -> li
         answer = None
     if not isinstance(answer, list) or len(answer) != len(paths):
         raise RuntimeSetupError(f"--tf-mount: could not resolve the sources as uid {uid}")
-    return [a if isinstance(a, str) else None for a in answer]
+    real: list[str] = []
+    for p, a in zip(paths, answer, strict=True):
+        if not (isinstance(a, list) and len(a) == 2 and all(isinstance(x, str) for x in a)):
+            raise RuntimeSetupError(f"--tf-mount: could not resolve the sources as uid {uid}")
+        if a[0] or not a[1]:
+            raise BindError(f"--tf-mount source {oneline(p)}: {a[0] or 'cannot be resolved'}")
+        real.append(a[1])
+    return real
 
 
 def _reap(pid: int) -> None:

@@ -194,7 +194,8 @@ def test_missing_mount_source_fails_the_step_clearly(cluster: Cluster, workdir: 
         cwd=workdir,
     )
     assert r.returncode != 0
-    assert f"tfimage: --tf-mount: source {workdir}/nope: No such file or directory" in r.stderr
+    # Resolved as the user when the step is prepared: the reason, on srun's stderr.
+    assert f"--tf-mount source {workdir}/nope: No such file or directory" in r.stderr
 
 
 def test_env_explain_inside_a_step(cluster: Cluster, workdir: Path) -> None:
