@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import requests
@@ -192,5 +193,6 @@ def token_registry(
         f"{{token: {{realm: '{token_service.realm}', service: {SERVICE}, "
         f"issuer: {ISSUER}, rootcertbundle: {token_service.crt}}}}}"
     )
+    realm = urlsplit(token_service.realm).netloc  # another port of the same host
     with _serve_registry(d, tls, auth) as host:
-        yield Registry(host, tls / "ca.crt", *ROBOT)
+        yield Registry(host, tls / "ca.crt", *ROBOT, token_realms=(realm,))

@@ -42,6 +42,7 @@ class Registry:
     ca: Path
     username: str
     password: str
+    token_realms: tuple[str, ...] = ()  # its token service's host:port, when not its own
 
     def client(
         self, *, password: str | None = None, transport: Transport | None = None
@@ -53,6 +54,7 @@ class Registry:
             Credential(self.username, password or self.password),
             ca_bundle=str(self.ca),
             transport=transport,
+            token_realms=self.token_realms,
         )
 
     def write_site(self, d: Path, **extra: str) -> Path:
@@ -71,6 +73,8 @@ class Registry:
             f"cache_dir: {d / 'cache'}",
             f"state_dir: {d / 'state'}",
         ]
+        if self.token_realms:
+            lines.append(f"token_realms: {list(self.token_realms)}")
         lines += [f"{k}: {v}" for k, v in extra.items()]
         cfg = d / "config.yaml"
         cfg.write_text("\n".join(lines) + "\n")

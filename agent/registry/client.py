@@ -144,9 +144,10 @@ class RegistryClient:
         self._tokens: dict[str, str] = {}
         self._basic = False
         self._sleep = sleep
-        # Token services the credentials may go to, by host name: this registry's
-        # own host, and those the admin allowed (config token_realms).
-        self._realms = {urllib.parse.urlsplit(f"//{host}").hostname or host, *token_realms}
+        # Token services the credentials may go to, by host and port: this
+        # registry's own, and those the admin allowed (config token_realms, where a
+        # host without a port means 443).
+        self._realms = {_host_port(host), *(_host_port(r) for r in token_realms)}
 
     # -- transport ---------------------------------------------------------------
 
@@ -224,7 +225,7 @@ class RegistryClient:
         realm = params.get("realm")
         if not realm or not realm.startswith("https://"):
             raise RegistryError(f"{self.host}: bearer realm must be https")
-        realm_host = urllib.parse.urlsplit(realm).hostname or ""
+        realm_host = _host_port(urllib.parse.urlsplit(realm).netloc)
         if self._cred and realm_host not in self._realms:
             # The password goes to the registry's own host, or a token service the
             # admin named; a registry's answer never sends it elsewhere.
@@ -471,6 +472,16 @@ def _read_capped(resp: Response, cap: int, what: str) -> bytes:
         if len(buf) > cap:
             raise VerificationError(f"{what} is larger than {cap} bytes")
     return bytes(buf)
+
+
+def _host_port(netloc: str) -> str:
+    """``host:port`` of a registry or realm (port 443 when none is given)."""
+    parts = urllib.parse.urlsplit(f"//{netloc}")
+    try:
+        port = parts.port or 443
+    except ValueError:
+        port = 0
+    return f"{parts.hostname or netloc}:{port}"
 
 
 def _short(e: BaseException) -> str:

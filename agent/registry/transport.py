@@ -47,8 +47,10 @@ def redirect(current: str, location: str) -> tuple[str, bool]:
     answer must not send a pull, or a password, over plain HTTP."""
     if not location:
         raise TransportError("a redirect without a Location")
-    if any(c <= " " or c == "\x7f" for c in location):
-        raise RedirectRefused("refused a redirect to a URL with spaces or control characters")
+    if any(c <= " " or c >= "\x7f" for c in location):
+        raise RedirectRefused(
+            "refused a redirect to a URL with spaces, control or non-ASCII characters"
+        )
     target = urllib.parse.urljoin(current, location)
     cur, new = urllib.parse.urlsplit(current), urllib.parse.urlsplit(target)
     if new.scheme not in ("http", "https") or (cur.scheme == "https" and new.scheme != "https"):
@@ -217,12 +219,19 @@ class StdlibTransport:
             except ssl.SSLError as e:
                 conn.close()
                 raise TLSError(str(e)) from None
-            except (OSError, http.client.HTTPException) as e:
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                # ValueError: http.client refusing what an answer led to (a URL or a
+                # header it will not send): the registry's fault, not ours.
                 conn.close()
                 raise TransportError(str(e) or type(e).__name__) from None
             if resp.status in _REDIRECTS and method in ("GET", "HEAD"):
                 location = resp.getheader("Location", "")
-                resp.read()
+                # A redirect's body is nothing we want: a small one is drained (the
+                # connection stays usable), anything else drops the connection.
+                if resp.length is not None and resp.length <= 65536 and not resp.will_close:
+                    resp.read()
+                else:
+                    conn.close()
                 resp.close()
                 url, same = redirect(url, location)
                 if not same:  # never un-done: a later hop back gets none either

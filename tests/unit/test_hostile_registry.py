@@ -450,13 +450,17 @@ def client_on(request: pytest.FixtureRequest, tls: Path) -> Callable[..., Regist
 def test_a_token_service_on_another_host_gets_no_credentials(
     server: Server, client_on: Callable[..., RegistryClient]
 ) -> None:
-    server.serve(b"x", bearer=True, realm_host=server.host.replace("127.0.0.1", "localhost"))
-    with pytest.raises(RegistryError, match=r"token service is on another host \(localhost\)"):
+    other = server.host.replace("127.0.0.1", "localhost")
+    server.serve(b"x", bearer=True, realm_host=other)
+    with pytest.raises(RegistryError, match=rf"token service is on another host \({other}\)"):
         client_on(server).manifest("library/x", "1")
     assert not [p for p, _ in server.b.seen if p.startswith("/service/token")]
+    # The same host name on the default port is another service, too.
+    with pytest.raises(RegistryError, match="token service is on another host"):
+        client_on(server, token_realms=("localhost",)).manifest("library/x", "1")
     # The admin may name it: then the token flow works, credentials and all.
-    server.serve(b"x", bearer=True, realm_host=server.host.replace("127.0.0.1", "localhost"))
-    client_on(server, token_realms=("localhost",)).manifest("library/x", "1")
+    server.serve(b"x", bearer=True, realm_host=other)
+    client_on(server, token_realms=(other,)).manifest("library/x", "1")
     sent = [a for p, a in server.b.seen if p.startswith("/service/token")]
     assert sent and sent[0].startswith("Basic ")
 
