@@ -28,6 +28,16 @@ static struct spank_option tfi_options[] = {
 	SPANK_OPTIONS_TABLE_END
 };
 
+/* Whether s holds a control character: such a value would forge lines in the
+ * logs that quote it (slurmd's, slurmstepd's). */
+static int has_control(const char *s)
+{
+	for (; *s; s++)
+		if ((unsigned char)*s < 0x20 || *s == 0x7f)
+			return 1;
+	return 0;
+}
+
 static int opt_image(int val, const char *optarg, int remote)
 {
 	(void)val;
@@ -38,6 +48,10 @@ static int opt_image(int val, const char *optarg, int remote)
 	}
 	if (strlen(optarg) > TFI_MAX_REF) {
 		slurm_error("tfimage: --tf-image: reference longer than %d characters", TFI_MAX_REF);
+		return -1;
+	}
+	if (has_control(optarg)) {
+		slurm_error("tfimage: --tf-image: the reference holds a control character");
 		return -1;
 	}
 	strcpy(tfi_state.image, optarg);
@@ -52,6 +66,10 @@ static int opt_mount(int val, const char *optarg, int remote)
 	if (optarg == NULL || strlen(optarg) >= sizeof(tfi_state.mounts)) {
 		slurm_error("tfimage: --tf-mount: missing or longer than %zu characters",
 			    sizeof(tfi_state.mounts) - 1);
+		return -1;
+	}
+	if (has_control(optarg)) {
+		slurm_error("tfimage: --tf-mount: the value holds a control character");
 		return -1;
 	}
 	strcpy(tfi_state.mounts, optarg);

@@ -161,7 +161,9 @@ def oci_to_sif(
     ca_bundle: str | None,
 ) -> None:
     """Convert the image ``ref`` pinned at ``digest`` into the SIF file ``dest``."""
-    work = Path(tempfile.mkdtemp(prefix="convert-", dir=work_dir))
+    # Named for the digest: cache prune tells an abandoned one (its digest's lock
+    # free, old) from one at work (the converting pull holds that lock).
+    work = Path(tempfile.mkdtemp(prefix=f"convert-{digest.replace(':', '-')}-", dir=work_dir))
     try:
         source = f"docker://{ref.registry}/{ref.repository}@{digest}"
         argv = ["skopeo", "copy", "--quiet"]

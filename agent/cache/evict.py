@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,20 +115,28 @@ def prune(
 def stale_partials(
     cache: ImageCache, *, dry_run: bool = False, now: float | None = None
 ) -> list[Path]:
-    """Interrupted downloads (``tmp/*.partial``) left alone for the
-    minimum age, whose digest no pull holds now; removed unless ``dry_run``."""
+    """What interrupted pulls left in ``tmp/`` (downloads ``sha256-*.partial``,
+    conversions ``convert-sha256-*`` and ``sha256-*.converted``: a pull killed at
+    its deadline, a crash) alone for the minimum age, whose digest no pull holds
+    now; removed unless ``dry_run``."""
     now = time.time() if now is None else now
     gone = []
-    for partial in sorted((cache.root / "tmp").glob("sha256-*.partial")):
-        lock = cache.root / "locks" / f"{partial.name.removesuffix('.partial')}.lock"
+    tmp = cache.root / "tmp"
+    left = [*tmp.glob("sha256-*.partial"), *tmp.glob("sha256-*.converted")]
+    left += [p for p in tmp.glob("convert-sha256-*") if p.is_dir() and not p.is_symlink()]
+    for path in sorted(left):
+        key = path.name.removeprefix("convert-")[: len("sha256-") + 64]
         try:
-            if now - partial.stat().st_mtime < cache.cfg.cache_min_age:
+            if now - path.lstat().st_mtime < cache.cfg.cache_min_age:
                 continue
-            with held(lock, blocking=False):
+            with held(cache.root / "locks" / f"{key}.lock", blocking=False):
                 if not dry_run:
-                    with contextlib.suppress(FileNotFoundError):
-                        partial.unlink()
-                gone.append(partial)
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        with contextlib.suppress(FileNotFoundError):
+                            path.unlink()
+                gone.append(path)
         except BlockingIOError:
             continue  # a pull is resuming it right now
         except OSError:

@@ -114,7 +114,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     lost = orphans(cache, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"{verb} {g['digest']} ({', '.join(g.get('refs', []))})" for g in gone]
-    lines += [f"{verb} {p.name} (an interrupted download nobody resumed)" for p in partials]
+    lines += [f"{verb} {p.name} (left by an interrupted pull)" for p in partials]
     lines += [f"{verb} {p.name} (an orphan: half of an entry)" for p in lost]
     _out(
         args,

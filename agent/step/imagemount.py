@@ -76,19 +76,23 @@ def mounted(path: Path) -> bool:
 
 
 def _mkdirs(state_dir: Path, path: Path, mode: int = 0o755) -> None:
-    """mkdir -p below a root-owned tree of our own, refusing links on the way; what
-    it creates gets ``mode`` (the umask aside)."""
+    """mkdir -p below a root-owned tree of our own, refusing links on the way.  With
+    TRAVERSE_ONLY every directory on the way gets that mode, existing ones too (a
+    tree an older tfimage made 0755)."""
     fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         for part in path.relative_to(state_dir).parts:
+            created = False
             try:
                 os.mkdir(part, dir_fd=fd)
-                os.chmod(part, mode, dir_fd=fd)
+                created = True
             except FileExistsError:
                 pass
             nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             os.close(fd)
             fd = nfd
+            if created or mode == TRAVERSE_ONLY:
+                os.fchmod(fd, mode)
     finally:
         os.close(fd)
 

@@ -112,6 +112,10 @@ class JobRecord:
         out: dict[str, dict[str, str]] = {"pinned": {}, "failed": {}}
         if not isinstance(raw, dict):
             return out
+        if "pinned" not in raw and "failed" not in raw:
+            # what tfimage wrote before failures were kept: {image: pinned}
+            out["pinned"] = {k: v for k, v in raw.items() if isinstance(v, str)}
+            return out
         for part in out:
             got = raw.get(part)
             if isinstance(got, dict):

@@ -24,7 +24,7 @@ from tfimage.agent.fsutil import held, write_json
 from tfimage.agent.ids import valid_digest
 
 PER_UID = 100
-MAX_UIDS = 500
+MAX_UIDS = 200
 MAX_BYTES = 16 << 20  # far above PER_UID * MAX_UIDS entries; a bigger file is not read
 
 
