@@ -164,11 +164,11 @@ def at_once(call: Callable[[], T], n: int) -> tuple[list[T], list[BaseException]
     return results, errors
 
 
-def ask_daemon(path: Path, *args: str) -> tuple[int, str, bytes]:
-    """One request to a daemon socket, as spank/daemon.c sends it: (status, stderr,
-    stdout)."""
+def ask_daemon(path: Path, *args: str, timeout: float = 20) -> tuple[int, str, bytes]:
+    """One request to a daemon socket, as spank/client.c sends it: (status, stderr,
+    stdout); struct.error when it closed without an answer."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(20)
+        s.settimeout(timeout)
         s.connect(str(path))
         s.sendall(b"TFI1\0" + b"".join(a.encode() + b"\0" for a in args))
         s.shutdown(socket.SHUT_WR)

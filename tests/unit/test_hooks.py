@@ -13,7 +13,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -26,6 +29,7 @@ import pytest
 from hostile import Server
 
 from support import Registry, ask_daemon, started_daemon
+from tfimage.agent import wire
 from tfimage.agent.config import load_config
 from tfimage.agent.errors import ImageError, NodeFault
 from tfimage.agent.hooklog import guarded, hook_logger
@@ -405,3 +409,108 @@ def test_no_credential_or_token_reaches_a_log_an_argv_or_a_job(
             ("a process's argv", "\n".join(seen_argv)),
         ]:
             assert secret not in text, f"a secret in {where}"
+
+
+# --- tfimage-hook and the daemon: never a second run, never a worker past its time ----
+
+
+def test_tfimage_hook_never_runs_a_hook_the_daemon_took_a_second_time(
+    tmp_path: Path, hook_binary: Path
+) -> None:
+    marker = tmp_path / "ran"
+    program = tmp_path / "hook.sh"
+    program.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    program.chmod(0o755)
+    sock_path = tmp_path / "daemon.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(sock_path))
+    server.listen(1)
+
+    def take_and_die() -> None:  # a daemon whose worker died: the request taken, no answer
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+
+    taker = threading.Thread(target=take_and_die, daemon=True)
+    taker.start()
+    try:
+        r = subprocess.run(
+            [str(hook_binary), str(sock_path), "5", str(program), "--job=1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        server.close()
+        taker.join(5)
+    assert r.returncode == 0 and "not run again" in r.stderr, r.stderr
+    assert not marker.exists()
+    # With no daemon listening at all, the hook runs itself.
+    sock_path.unlink()
+    r = subprocess.run(
+        [str(hook_binary), str(sock_path), "5", str(program)], capture_output=True, timeout=60
+    )
+    assert r.returncode == 0 and marker.exists()
+
+
+ROUTED_DAEMON = """
+import subprocess, sys, time
+from pathlib import Path
+from tfimage.agent import wire
+from tfimage.agent.config import load_config
+from tfimage.agent.daemon.server import CLI, serve
+
+def hang(argv):
+    subprocess.Popen(["sleep", sys.argv[3]])  # a tool it started, to be killed with it
+    time.sleep(600)
+    return 0
+
+def bug(argv):
+    raise RuntimeError("a bug in the daemon's route")
+
+serve(Path(sys.argv[1]), load_config(sys.argv[2]),
+      {CLI: bug, "tfimage-prolog": hang, "tfimage-epilog": bug}, None)
+"""
+
+
+def test_the_daemon_ends_a_worker_past_its_time_and_never_fails_a_hook(tmp_path: Path) -> None:
+    cfg = _site(tmp_path, hook_deadline=1)
+    run = Path(f"/run/tfimage-test-routes-{os.getpid()}")
+    run.mkdir(mode=0o755)
+    sleep_for = str(3000 + os.getpid() % 1000)  # a sleep only this test starts
+    log = tmp_path / "daemon.log"
+    daemon = subprocess.Popen(
+        [sys.executable, "-c", ROUTED_DAEMON, str(run / "daemon.sock"), str(cfg), sleep_for],
+        stderr=log.open("w"),
+    )
+    try:
+        for _ in range(100):
+            if "listening" in log.read_text():
+                break
+            time.sleep(0.05)
+        # A route that fails is the daemon's fault: a hook still answers 0, a
+        # step-prepare 70 (the plugin reports it; no node is drained).
+        status, err, _ = ask_daemon(run / "daemon.sock", "tfimage-epilog", "--job=1")
+        assert status == 0 and "a bug in the daemon's route" in err
+        status, err, _ = ask_daemon(run / "daemon.sock", "step-prepare", "--job=1")
+        assert status == 70 and "a bug in the daemon's route" in err
+        # A hook that ignores its deadline (1 s) is killed at two thirds of the grace
+        # beyond it, with the tool it started, before its client stops waiting.
+        started = time.monotonic()
+        with pytest.raises(struct.error):  # closed without an answer
+            ask_daemon(run / "daemon.sock", "tfimage-prolog", "--job=1", timeout=60)
+        took = time.monotonic() - started
+        assert 1 + wire.HOOK_GRACE * 2 / 3 <= took < 1 + wire.HOOK_GRACE, took
+        for _ in range(50):
+            if not subprocess.run(
+                ["pgrep", "-f", f"^sleep {sleep_for}$"], capture_output=True
+            ).stdout:
+                break
+            time.sleep(0.1)
+        assert not subprocess.run(
+            ["pgrep", "-f", f"^sleep {sleep_for}$"], capture_output=True
+        ).stdout
+    finally:
+        daemon.kill()
+        daemon.wait()
+        shutil.rmtree(run, ignore_errors=True)
