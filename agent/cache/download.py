@@ -1,16 +1,13 @@
 """A blob's download: received into stripe buffers, hashed in order from memory, and
 appended in order to the partial file, with O_DIRECT where the filesystem allows it.
 
-Why, measured on this project's 2-core machines (a 0.94 GiB blob, local registry, TLS):
+Why (the figures behind it are bench/pull.py's, described in the README):
 
 - one HTTPS stream is bound by one core on each side (the registry reads and
-  encrypts serially per request): one curl stream ~0.45 GiB/s, two at once ~0.7;
-- writing through the page cache and then fsyncing is slower and far more variable
-  than O_DIRECT (dd, 1 GiB: 0.6-3.3 s against 0.72-0.95 s), and costs CPU the
-  registry needs too;
-- reading the file back to hash it in order (the design before this one) is one
-  more copy of every byte.
-This pipeline's system CPU for that blob is 0.5-0.6 s, the one before it 1.0-1.6 s.
+  encrypts serially per request), so a large blob may come faster over several;
+- writing through the page cache and then fsyncing costs more CPU, and varies
+  more, than O_DIRECT, and the CPU is the registry's too on a small node;
+- reading the file back to hash it in order is one more copy of every byte.
 
 So with ``pull_connections`` > 1 each connection asks for one stripe
 (``pull_stripe_bytes``) at a time with a Range request, straight into a buffer of
@@ -74,134 +71,164 @@ def jobs(start: int, size: int, connections: int, stripe: int) -> list[tuple[int
     return [(start, size)] if start < size else []
 
 
-def download(
-    clients: Sequence[RegistryClient],
-    repository: str,
-    digest: str,
-    size: int,
-    partial: Path,
-    start: int,
-    stripe: int,
-    consume: Callable[[memoryview], None],
-) -> None:
-    """Fetch bytes ``[start, size)`` of a blob with one client per connection, call
-    ``consume`` with them in order (in this thread), and append them to ``partial``
-    (which holds exactly ``start`` bytes, ``start`` a multiple of ALIGN).  Not
-    fsynced.  The first error of any thread is raised here."""
-    todo = jobs(start, size, len(clients), stripe)
-    if not todo:
-        return
-    striped = len(todo) > 1
-    workers = min(len(clients), len(todo))
-    bufsize = min(stripe, -(-(size - start) // ALIGN) * ALIGN)
-    pool: queue.Queue[memoryview] = queue.Queue()
-    for _ in range(workers + 1):
-        pool.put(memoryview(mmap.mmap(-1, bufsize)))
-    cond = threading.Condition()
-    ready: dict[int, _Block] = {}
-    errors: list[BaseException] = []
-    stop = threading.Event()
-    pending = iter(todo)
-    take = threading.Lock()
-    written = queue.Queue[_Block | None]()
+class Download:
+    """Bytes ``[start, size)`` of a blob, fetched with one client per connection,
+    handed in order to ``consume`` (in the caller's thread) and appended to
+    ``partial`` (which holds exactly ``start`` bytes, ``start`` a multiple of
+    ALIGN).  Not fsynced.  :meth:`run` raises the first error of any thread.
 
-    def buffer() -> memoryview:
-        while not stop.is_set():
+    Its steps, each a method: :meth:`fetch_stripes` (each connection's thread),
+    :meth:`fetch` (one request, asked again where it broke), :meth:`append` (the
+    writer thread), :meth:`hand_over` (the caller, in order)."""
+
+    def __init__(
+        self,
+        clients: Sequence[RegistryClient],
+        repository: str,
+        digest: str,
+        size: int,
+        partial: Path,
+        start: int,
+        stripe: int,
+    ) -> None:
+        self.clients = clients
+        self.repository = repository
+        self.digest = digest
+        self.size = size
+        self.partial = partial
+        self.start = start
+        self.todo = jobs(start, size, len(clients), stripe)
+        self.striped = len(self.todo) > 1
+        self.workers = min(len(clients), len(self.todo))
+        bufsize = min(stripe, -(-(size - start) // ALIGN) * ALIGN)
+        self.pool: queue.Queue[memoryview] = queue.Queue()
+        for _ in range(self.workers + 1 if self.todo else 0):
+            self.pool.put(memoryview(mmap.mmap(-1, bufsize)))
+        self.cond = threading.Condition()
+        self.ready: dict[int, _Block] = {}
+        self.errors: list[BaseException] = []
+        self.stop = threading.Event()
+        self.pending = iter(self.todo)
+        self.take = threading.Lock()
+        self.written = queue.Queue[_Block | None]()
+
+    # -- shared steps ----------------------------------------------------------------
+
+    def buffer(self) -> memoryview:
+        """A free buffer, once one is back in the pool (or _Stopped)."""
+        while not self.stop.is_set():
             with contextlib.suppress(queue.Empty):
-                return pool.get(timeout=0.2)
+                return self.pool.get(timeout=0.2)
         raise _Stopped
 
-    def deliver(block: _Block) -> None:
-        with cond:
-            ready[block.offset] = block
-            cond.notify_all()
+    def deliver(self, block: _Block) -> None:
+        with self.cond:
+            self.ready[block.offset] = block
+            self.cond.notify_all()
 
-    def fail(e: BaseException) -> None:
-        with cond:
-            errors.append(e)
-            cond.notify_all()
+    def fail(self, e: BaseException) -> None:
+        with self.cond:
+            self.errors.append(e)
+            self.cond.notify_all()
 
-    def fetch(client: RegistryClient, a: int, b: int, view: memoryview) -> None:
+    # -- a connection's thread --------------------------------------------------------
+
+    def fetch(self, client: RegistryClient, a: int, b: int, view: memoryview) -> None:
         """Bytes [a, b) into consecutive buffers, the first ``view``; every full
         buffer (and the last) is delivered.  A broken connection is asked again."""
         pos, filled, attempt = a, 0, 0
         while pos < b:
             try:
                 with client.open_blob(
-                    repository, digest, pos, b, size, whole_ok=not striped
+                    self.repository, self.digest, pos, b, self.size, whole_ok=not self.striped
                 ) as body:
                     while pos < b:
-                        if stop.is_set():
+                        if self.stop.is_set():
                             raise _Stopped
                         n = body.readinto(view[filled : min(len(view), filled + b - pos)])
                         filled += n
                         pos += n
                         if filled == len(view) or pos == b:
-                            deliver(_Block(pos - filled, filled, view))
+                            self.deliver(_Block(pos - filled, filled, view))
                             if pos < b:
-                                view, filled = buffer(), 0
+                                view, filled = self.buffer(), 0
             except RegistryUnreachable:
                 attempt += 1
-                if attempt >= ATTEMPTS or stop.is_set():
+                if attempt >= ATTEMPTS or self.stop.is_set():
                     if filled:  # kept, if it continues the prefix: the next pull goes on
-                        deliver(_Block(pos - filled, filled, view))
+                        self.deliver(_Block(pos - filled, filled, view))
                     raise
 
-    def work(client: RegistryClient) -> None:
+    def fetch_stripes(self, client: RegistryClient) -> None:
+        """Take stripes until none is left; each only once a buffer is held (see the
+        module's docstring)."""
         try:
             while True:
-                view = buffer()  # before the job: see the module's docstring
-                with take:
-                    job = next(pending, None)
+                view = self.buffer()
+                with self.take:
+                    job = next(self.pending, None)
                 if job is None:
-                    pool.put(view)
+                    self.pool.put(view)
                     return
-                fetch(client, *job, view)
+                self.fetch(client, *job, view)
         except _Stopped:
             pass
         except BaseException as e:  # handed to the caller, raised there
-            fail(e)
+            self.fail(e)
 
-    def write() -> None:
+    # -- the writer thread ---------------------------------------------------------------
+
+    def append(self) -> None:
         try:
-            with _Appender(partial) as out:
-                while (block := written.get()) is not None:
+            with _Appender(self.partial) as out:
+                while (block := self.written.get()) is not None:
                     out.write(block.view[: block.length], block.offset)
-                    pool.put(block.view)
+                    self.pool.put(block.view)
         except BaseException as e:
-            stop.set()
-            fail(e)
-            while written.get() is not None:
+            self.stop.set()
+            self.fail(e)
+            while self.written.get() is not None:
                 pass  # let the caller hand over what it has, and finish
 
-    writer = threading.Thread(target=write, name="tfimage-writer", daemon=True)
-    threads = [
-        threading.Thread(target=work, args=(c,), name=f"tfimage-fetch-{i}", daemon=True)
-        for i, c in enumerate(clients[:workers])
-    ]
-    writer.start()
-    for t in threads:
-        t.start()
-    try:
-        offset = start
-        while offset < size:
-            with cond:
-                while offset not in ready and not errors:
-                    cond.wait(1.0)
-                if offset not in ready:  # what is ready in order is kept first
-                    raise errors[0]
-                block = ready.pop(offset)
+    # -- the caller ------------------------------------------------------------------------
+
+    def hand_over(self, consume: Callable[[memoryview], None]) -> None:
+        """Each block in the blob's order: to ``consume``, then to the writer."""
+        offset = self.start
+        while offset < self.size:
+            with self.cond:
+                while offset not in self.ready and not self.errors:
+                    self.cond.wait(1.0)
+                if offset not in self.ready:  # what is ready in order is kept first
+                    raise self.errors[0]
+                block = self.ready.pop(offset)
             consume(block.view[: block.length])
-            written.put(block)
+            self.written.put(block)
             offset += block.length
-    finally:
-        stop.set()
-        written.put(None)
-        writer.join()
+
+    def run(self, consume: Callable[[memoryview], None]) -> None:
+        if not self.todo:
+            return
+        writer = threading.Thread(target=self.append, name="tfimage-writer", daemon=True)
+        threads = [
+            threading.Thread(
+                target=self.fetch_stripes, args=(c,), name=f"tfimage-fetch-{i}", daemon=True
+            )
+            for i, c in enumerate(self.clients[: self.workers])
+        ]
+        writer.start()
         for t in threads:
-            t.join(timeout=1.0)
-    if errors:
-        raise errors[0]  # the writer's, after the last block was handed over
+            t.start()
+        try:
+            self.hand_over(consume)
+        finally:
+            self.stop.set()
+            self.written.put(None)
+            writer.join()
+            for t in threads:
+                t.join(timeout=1.0)
+        if self.errors:
+            raise self.errors[0]  # the writer's, after the last block was handed over
 
 
 class _Appender:

@@ -324,7 +324,7 @@ class ImageCache:
             while got < kept and (block := out.read(min(CHUNK, kept - got))):
                 consume(memoryview(block))
             clients = [client] + [self._client_factory(client.host) for _ in range(connections - 1)]
-            download.download(
+            download.Download(
                 clients,
                 ref.repository,
                 digest,
@@ -332,8 +332,7 @@ class ImageCache:
                 tmp,
                 got,
                 self.cfg.pull_stripe_bytes,
-                consume,
-            )
+            ).run(consume)
             if got != size:
                 raise RegistryUnreachable(f"{ref.name}: got {got} of {size} bytes")
             if "sha256:" + h.hexdigest() != digest:
