@@ -110,12 +110,13 @@ def main(env: dict[str, str], runs: int) -> None:
         + LOAD
         + "g = ImageCache(c).ensure(c.reference(sys.argv[2])); print(json.dumps({'hit': g.hit}))"
     )
+    # oras-py is no dependency of tfimage: it runs from the dev venv (the dev extra).
     oras_code = (
         "import sys, oras.provider; r = oras.provider.Registry(hostname=sys.argv[1], "
         "auth_backend='basic'); r.auth.set_basic_auth(sys.argv[2], sys.argv[3]); "
         "r.pull(target=sys.argv[1] + '/library/tf-custom:2.0', outdir=sys.argv[4])"
     )
-    # "tfimage-2": the same pull in 16 MiB stripes over two connections (stripes.py),
+    # "tfimage-2": the same pull in 16 MiB stripes over two connections (cache/download.py),
     # against the site default (one connection).
     times: dict[str, list[float]] = {"curl": [], "tfimage": [], "tfimage-2": [], "oras-py": []}
     rss: dict[str, list[float]] = {k: [] for k in times}
@@ -151,8 +152,9 @@ def main(env: dict[str, str], runs: int) -> None:
         rss["tfimage-2"].append(m)
         shutil.rmtree(cache)
         outdir = work / f"oras-{i}"
+        user, password = creds["username"], creds["password"]
         t, m = child(
-            [py, "-c", oras_code, reg, creds["username"], creds["password"], str(outdir)],
+            [sys.executable, "-c", oras_code, reg, user, password, str(outdir)],
             env={**os.environ, "REQUESTS_CA_BUNDLE": ca},
             name="oras-py",
         )

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+import psutil
+
 from tfimage.agent.cli.slurmconf import hook_scripts, read_plugstack, read_slurm_conf
 from tfimage.agent.config import RENAMED, Config, load_config, renamed_keys
 from tfimage.agent.errors import TfimageError
@@ -334,9 +336,46 @@ def check_cache(ctx: Context) -> Iterator[Finding]:
             f"chmod go-w {root}",
         )
     else:
-        vfs = os.statvfs(root)
-        free = vfs.f_bavail * vfs.f_frsize
-        yield Finding("cache", "ok", f"{root} root-owned, {free >> 30} GiB free")
+        disk = psutil.disk_usage(str(root))
+        level: Level = "ok"
+        if disk.percent >= 95:
+            level = "error"
+        elif disk.percent >= ctx.cfg.cache_high_watermark:
+            level = "warning"
+        yield Finding(
+            "cache",
+            level,
+            f"{root} root-owned; its filesystem {disk.percent:.0f}% full, "
+            f"{disk.free >> 30} GiB free",
+            "tfimage cache prune (it runs from the maintenance timer), or make room"
+            if level != "ok"
+            else "",
+        )
+
+
+def check_leftovers(ctx: Context) -> Iterator[Finding]:
+    """squashfuse processes whose image mount is gone: a job's image that nothing
+    unmounted (a killed epilog), still holding the image file open."""
+    if ctx.cfg is None:
+        return
+    jobs = str(Path(ctx.cfg.state_dir) / "jobs") + "/"
+    with open("/proc/self/mountinfo") as f:
+        mounted = {line.split()[4] for line in f}
+    left = []
+    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
+        cmd = proc.info.get("cmdline") or []
+        ours = proc.info.get("name") == "squashfuse" and cmd and cmd[-1].startswith(jobs)
+        if ours and cmd[-1] not in mounted:
+            left.append(f"{proc.info['pid']} ({cmd[-1]})")
+    if left:
+        yield Finding(
+            "mounts",
+            "warning",
+            f"squashfuse without its mount: {', '.join(left[:5])}",
+            "kill those processes; tfimage-epilog unmounts a job's images",
+        )
+    else:
+        yield Finding("mounts", "ok", "no leftover image mount process")
 
 
 def check_nvml(ctx: Context) -> Iterator[Finding]:
@@ -379,6 +418,7 @@ ALL: tuple[Check, ...] = (
     check_runtime,
     check_registry,
     check_cache,
+    check_leftovers,
     check_nvml,
 )
 LOGIN: tuple[Check, ...] = (check_config, check_plugin, check_registry)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from support import Registry, need
 from tfimage.agent.cli.doctor import Context, exit_status, run_checks
 from tfimage.agent.cli.main import main
+from tfimage.agent.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN = REPO / "spank" / "build" / "spank_tfimage.so"
@@ -87,6 +90,38 @@ def test_each_fault_is_an_error_with_a_fix(tmp_path: Path, registry: Registry) -
     assert any(c == "registry" and "authentication refused" in m for c, m in errors)
     assert "wrong-password" not in repr(findings)
     assert all(f.fix for f in findings if f.level == "error")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a filesystem of its own needs root")
+def test_a_nearly_full_cache_and_a_leftover_mount_process_are_named(
+    tmp_path: Path, registry: Registry
+) -> None:
+    ctx = _node(tmp_path, registry, plugin=False)
+    cache = tmp_path / "cache"
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(cache)], check=True
+    )
+    fake = tmp_path / "bin" / "squashfuse"  # a real process by that name
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\nsleep "$1"\n')
+    fake.chmod(0o755)
+    state = Path(load_config(ctx.config_path).state_dir)
+    gone = state / "jobs" / "9" / "img-abc"  # its mount point, unmounted
+    left = subprocess.Popen([str(fake), "300", str(gone)])
+    for _ in range(100):  # until it has exec'd (its name is the program's)
+        if Path(f"/proc/{left.pid}/comm").read_text().strip() == "squashfuse":
+            break
+        time.sleep(0.02)
+    try:
+        (cache / "fill").write_bytes(b"\0" * (1000 << 10))
+        findings = {f.check: f for f in run_checks(ctx) if f.check in ("cache", "mounts")}
+    finally:
+        left.kill()
+        left.wait()
+        subprocess.run(["umount", str(cache)], check=True)
+    assert findings["cache"].level == "error" and "% full" in findings["cache"].message
+    assert findings["mounts"].level == "warning"
+    assert f"{left.pid} ({gone})" in findings["mounts"].message
 
 
 def test_json_and_exit_code_from_the_cli(
