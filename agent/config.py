@@ -62,7 +62,7 @@ class Config:
     cache_low_watermark: float = 80.0
     cache_min_age: float = 3600.0
     single_task_tf_config: bool = False
-    # A pull holds (pull_connections + 1) buffers of pull_stripe_bytes (stripes.py).
+    # A pull holds (pull_connections + 1) buffers of pull_stripe_bytes (cache/download.py).
     # With more than one connection, a blob of at least two stripes comes a stripe (a
     # Range request) at a time on each: worth it where one HTTPS stream is bound by
     # one core on each side (fast links, many cores), not on 2 cores, where one
@@ -134,7 +134,7 @@ def _coerce(key: str, value: Any, path: Path) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise ConfigError(f"{path}: '{key}' must be an integer from {low} to {high}")
         if key == "pull_stripe_bytes" and value % 4096:
-            # O_DIRECT writes whole aligned blocks (stripes.py)
+            # O_DIRECT writes whole aligned blocks (cache/download.py)
             raise ConfigError(f"{path}: 'pull_stripe_bytes' must be a multiple of 4096")
         return value
     if key == "single_task_tf_config":

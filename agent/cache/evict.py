@@ -145,7 +145,7 @@ def stale_partials(
 
 
 def orphans(cache: ImageCache, *, dry_run: bool = False) -> list[Path]:
-    """Images without metadata and metadata without images (cache.py's publish
+    """Images without metadata and metadata without images (store.py's publish
     leaves neither, but a crash between its two steps, or an older tfimage, may);
     removed under their digest's lock, unless ``dry_run``."""
     gone = []

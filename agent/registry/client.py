@@ -2,8 +2,8 @@
 
 Why not oras-py's ``Registry``?  It sets no timeouts, retries for minutes on a
 wrong password, reuses one token across repositories and does not verify blob
-digests (see DESIGN.md).  This client does all four, and takes an injected
-``Transport`` (agent/transport.py) so tests swap the transport instead of patching.
+digests.  This client does all four, and takes an injected ``Transport``
+(registry/transport.py) so tests swap the transport instead of patching.
 """
 
 from __future__ import annotations

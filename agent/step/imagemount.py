@@ -10,7 +10,7 @@ Under ``state_dir/jobs/<jobid>/`` (root-owned)::
 
 ``jobs/``, ``jobs/<jobid>/`` and ``step-<stepid>/`` are 0711: the job's user must
 traverse them to reach the container root, but nobody lists them.  What lies there
-is the image (every cached image is readable by every local user, see cache.py) and
+is the image (every cached image is readable by every local user, see cache/store.py) and
 empty directories; no user data is ever mounted in the host's namespace (binds are
 made by the runtime, inside its own).  Every mount is ``nosuid,nodev``: a setuid
 file or a device node a user put into their own image is never honoured on the host.

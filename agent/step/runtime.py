@@ -68,7 +68,7 @@ class Charliecloud:
         argv = [self.exe, "--no-passwd"]
         # The image's own environment (its config's Env, as the converter writes it):
         # ch-run reads /ch/environment inside the image.  Root follows no link of the
-        # image's to look (imagefs.py).
+        # image's to look (cache/imagefs.py).
         if imagefs.is_regular(root, "ch/environment"):
             argv += ["--env-no-expand", "--set-env"]  # OCI Env values are literal
         for b in spec.all_binds():

@@ -1,4 +1,4 @@
-"""Requests for one tag at once ask the registry once (agent/coalesce.py), on a real
+"""Requests for one tag at once ask the registry once (agent/cache/coalesce.py), on a real
 registry; a request that starts after an answer never takes it."""
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def server(tls: Path) -> Iterator[Server]:
 def cache_for(
     request: pytest.FixtureRequest, tmp_path: Path, tls: Path
 ) -> Callable[[Server], ImageCache]:
-    """A cache on the server, through each transport (agent/transport.py) in turn."""
+    """A cache on the server, through each transport (agent/registry/transport.py) in turn."""
 
     def make(s: Server, **extra: int) -> ImageCache:
         cfg = tmp_path / "config.yaml"
@@ -284,7 +284,7 @@ def test_full_disk_is_a_clear_error_and_leaves_the_cache_consistent(
         subprocess.run(["umount", str(small)], check=True, timeout=30)
 
 
-# --- one blob over several connections (agent/stripes.py) ----------------------------
+# --- one blob over several connections (agent/cache/download.py) ----------------------------
 
 STRIPED = {"pull_connections": 4, "pull_stripe_bytes": 1 << 18}
 
