@@ -1,34 +1,22 @@
-"""Shared machinery for the hooks, the SPANK helper and the operator CLI.
+"""tfimage's machinery, for the hooks, the daemon, the plugin's helper and the CLI.
 
-Public names are re-exported here; the modules behind them are private details.
+The public surface is what a site script needs to read the config and check an
+image reference the way the plugin does; everything else is reached through its
+subpackage (registry/, cache/, submit/, step/, daemon/, cli/) and may change.
+tests/unit/test_public_surface.py pins this list.
 """
 
 from tfimage.agent.config import Config, load_config
-from tfimage.agent.errors import (
-    CacheError,
-    ConfigError,
-    CredentialsError,
-    ImageError,
-    ImageReferenceError,
-    RegistryError,
-    RuntimeSetupError,
-    TfimageError,
-    VerificationError,
-)
+from tfimage.agent.errors import ImageError, ImageReferenceError, InputError, TfimageError
 from tfimage.agent.reference import Reference, parse_reference
 
 __all__ = [
-    "CacheError",
     "Config",
-    "ConfigError",
-    "CredentialsError",
     "ImageError",
     "ImageReferenceError",
+    "InputError",
     "Reference",
-    "RegistryError",
-    "RuntimeSetupError",
     "TfimageError",
-    "VerificationError",
     "load_config",
     "parse_reference",
 ]

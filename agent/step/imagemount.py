@@ -79,6 +79,9 @@ def _mkdirs(state_dir: Path, path: Path, mode: int = 0o755) -> None:
     """mkdir -p below a root-owned tree of our own, refusing links on the way.  With
     TRAVERSE_ONLY every directory on the way gets that mode, existing ones too (a
     tree an older tfimage made 0755)."""
+    # The admin's root-owned state directory (/run/tfimage: gone after a reboot
+    # until the daemon or the first job makes it again).
+    state_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
     fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         for part in path.relative_to(state_dir).parts:
