@@ -108,7 +108,7 @@ SUBMIT_CHECK_FLAGS = (
     Flag("--job-image", True, "always (empty outside a job)"),
 )
 
-# What spank/wire.h must define, name for name (tests/unit/test_wire.py).
+# What spank/wire.h must define, name for name (tests/unit/core/test_wire.py).
 C_CONSTANTS: dict[str, str | int] = {
     "TFI_WIRE_MAGIC": MAGIC[:-1].decode(),
     "TFI_HOOK_GRACE": HOOK_GRACE,

@@ -39,7 +39,7 @@ from tfimage.epilog.main import main as epilog
 from tfimage.prolog.main import main as prolog
 from tokenauth import TokenService
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ROLE = REPO / "deploy/ansible/roles/tfimage/templates"
 VENV_BIN = Path(sys.executable).parent
 

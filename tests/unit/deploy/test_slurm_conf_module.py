@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 
 MODULE = (
-    Path(__file__).resolve().parents[2]
+    Path(__file__).resolve().parents[3]
     / "deploy/ansible/roles/tfimage/library/tfimage_slurm_conf.py"
 )
 

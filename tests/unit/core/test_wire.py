@@ -13,7 +13,7 @@ from tfimage.agent import wire
 from tfimage.agent.cli.main import build_parser
 from tfimage.agent.errors import RequestError
 
-SPANK = Path(__file__).resolve().parents[2] / "spank"
+SPANK = Path(__file__).resolve().parents[3] / "spank"
 
 
 def _header_constants() -> dict[str, str | int]:

@@ -16,7 +16,7 @@ from tfimage.agent.cli.doctor import Context, exit_status, run_checks
 from tfimage.agent.cli.main import main
 from tfimage.agent.config import load_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PLUGIN = REPO / "spank" / "build" / "spank_tfimage.so"
 
 
