@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: all venv lint wheel spank spank-other images cluster-up cluster-down cluster-status \
-        demo test test-unit test-cluster bench clean
+        demo test test-unit test-cluster test-other-host bench clean
 
 all: venv spank
 
@@ -58,6 +58,11 @@ test-unit: venv
 
 test-cluster: venv
 	$(VENV)/bin/pytest -q tests/cluster
+
+# The other Debian generation as a whole host: its root (cached), a fresh clone of
+# HEAD, the demo and tests/run-all.sh there (under the cluster lock, like cluster-up).
+test-other-host:
+	bash deploy/local/other-host.sh run
 
 # The whole suite: lint, both plugin builds, unit tests, then the cluster tier.
 test: venv lint spank spank-other cluster-up
