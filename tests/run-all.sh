@@ -1,53 +1,127 @@
 #!/usr/bin/env bash
 # The whole test suite, as root on a fresh Debian 12 or 13 machine:
 # packages, a dev venv, lint and types, the plugin against both Slurm generations'
-# headers, the unit tests, then the local cluster and the cluster tier.
+# headers, the unit tests, the other Debian generation as a whole host (its own root
+# filesystem, where a fresh clone runs the demo and this suite: other-host.sh), then
+# the local cluster and the cluster tier on this machine's Slurm and on the other
+# generation's.  The last lines name both host generations, their Slurm and counts.
 # The cluster is stopped at the end unless TFIMAGE_KEEP_CLUSTER=1.
+#
+#   TFIMAGE_FLAVORS="host other"  the cluster tier's Slurm flavors (default both)
+#   TFIMAGE_OTHER_HOST=0          skip the other host generation (says so; refused
+#                                 under CI=true, where every run proves both)
+#
+# It brings the local cluster up and down: run it under the cluster lock,
+#   flock /var/lock/tfimage-cluster.lock bash tests/run-all.sh
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 [ "$(id -u)" = 0 ] || { echo "tests: run as root" >&2; exit 1; }
 
-step() { printf '\n=== %s\n' "$*"; }
+T_ALL=$SECONDS
+STEP="" T_STEP=0 TIMES=()
+step() { # NAME [WHAT]: a new step (none: the end); the last one's time is kept
+    [ -z "$STEP" ] || TIMES+=("$STEP $(fmt $((SECONDS - T_STEP)))")
+    STEP=$1 T_STEP=$SECONDS
+    [ -z "$1" ] || printf '\n=== %s\n' "${2:-$1}"
+}
 fail() { echo "tests: FAILED: $*" >&2; exit 1; }
+fmt() { if [ "$1" -ge 60 ]; then echo "$(($1 / 60)) min $(($1 % 60)) s"; else echo "$1 s"; fi; }
+
+pytest_tier() { # NAME LOG PATH: pytest, its output kept; exit 5 (nothing collected) fails
+    local name=$1 log=$2 rc=0
+    .venv/bin/pytest -q -p no:cacheprovider "$3" 2>&1 | tee "$log" || rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 5 ] && fail "pytest collected no $name tests"
+    [ "$rc" -eq 0 ] || fail "$name tests: pytest exit $rc (log: $log)"
+    return 0
+}
+count() { # WHAT LOG: how many tests pytest's last line says were WHAT (passed, skipped)
+    grep -E '[0-9]+ (passed|failed|skipped)' "$2" | tail -1 | grep -oE "[0-9]+ $1" \
+        | cut -d' ' -f1 | grep . || echo 0
+}
+debian() { # CODENAME: "Debian 12 (bookworm)"
+    case $1 in bookworm) echo "Debian 12 ($1)" ;; trixie) echo "Debian 13 ($1)" ;; *) echo "$1" ;; esac
+}
+THIS=$(. /etc/os-release && echo "$VERSION_CODENAME")
+
+mkdir -p build
+rm -f build/test-summary.txt
 
 step "packages and venv"
 bash deploy/local/packages.sh || fail "packages"
 command -v make >/dev/null || { apt-get install -y -qq make >/dev/null || fail "make"; }
 make -s venv || fail "venv"
+# The package's version: `sinfo -V` on 24.11 wants a configuration before it answers.
+HOST_SLURM=$(dpkg-query -W -f '${Version}' slurm-client | sed 's/^[0-9]*://; s/-[^-]*$//')
+echo "tests: $(debian "$THIS"), Slurm $HOST_SLURM"
 
-step "lint: ruff, mypy, shell syntax"
+step "lint" "lint: ruff, mypy, shell syntax"
 make -s lint || fail "lint"
 
-step "SPANK plugin: this machine's Slurm, and the other generation's headers"
+step "plugin" "SPANK plugin: this machine's Slurm, and the other generation's headers"
 make -s spank || fail "plugin build (host Slurm)"
 make -s spank-other || fail "plugin build (other Slurm)"
 
-step "pytest: unit tier"
-.venv/bin/pytest -q -p no:cacheprovider tests/unit
-rc=$?
-[ $rc -eq 5 ] && fail "pytest collected no unit tests"
-[ $rc -eq 0 ] || fail "unit tests: pytest exit $rc"
+step "unit" "pytest: unit tier"
+pytest_tier unit build/pytest-unit.log tests/unit
+UNIT="$(count passed build/pytest-unit.log) unit"
+[ "$(count skipped build/pytest-unit.log)" = 0 ] || UNIT+=" ($(count skipped build/pytest-unit.log) skipped)"
+
+# The other Debian generation as a whole host: its own root, a fresh clone, the demo
+# and this suite there.  Before this machine's cluster tier: its cluster and the
+# other host's share names in one network namespace, and the one kept up at the end
+# (TFIMAGE_KEEP_CLUSTER=1) is this machine's.
+OTHER_LINE=""
+case "${TFIMAGE_OTHER_HOST:-1}" in
+    1)
+        step "other host" "the other Debian generation as a host (deploy/local/other-host.sh run)"
+        bash deploy/local/other-host.sh run \
+            || fail "the other host generation: $(cat build/other-host/summary.txt 2>/dev/null || echo 'see above')"
+        OTHER_LINE=$(cat build/other-host/summary.txt) ;;
+    0)
+        [ "${CI:-}" != true ] \
+            || fail "TFIMAGE_OTHER_HOST=0 under CI=true: every CI run proves both host generations"
+        # shellcheck source=deploy/local/other-release.sh
+        OTHER_LINE="$(debian "$(. deploy/local/other-release.sh && echo "$OTHER")") host: SKIPPED (TFIMAGE_OTHER_HOST=0)"
+        echo "tests: the other host generation is SKIPPED (TFIMAGE_OTHER_HOST=0)" ;;
+    inside) ;;  # this run is the other host's own (other-host.sh): nothing nested
+    *) fail "TFIMAGE_OTHER_HOST must be 1 (the default) or 0, not '${TFIMAGE_OTHER_HOST}'" ;;
+esac
 
 if [ "${TFIMAGE_KEEP_CLUSTER:-0}" != 1 ]; then
-    trap 'step "stopping the local cluster"; bash deploy/local/cluster.sh down' EXIT
+    trap 'printf "\n=== stopping the local cluster\n"; bash deploy/local/cluster.sh down' EXIT
 fi
-# The cluster tier twice: on this machine's Slurm, and on the other Debian
-# generation's (22.05 <-> 24.11) from a cached chroot, so both plugin paths run.
+# The cluster tier on this machine's Slurm, and on the other Debian generation's
+# (22.05 <-> 24.11) from a cached chroot, so both plugin paths run.
 export TFIMAGE_REQUIRE_CLUSTER=1
+CLUSTER=() SKIPPED=() CLUSTER_ON=()
 for flavor in ${TFIMAGE_FLAVORS:-host other}; do
-    step "local cluster: SLURM_FLAVOR=$flavor"
-    start=$(date +%s)
+    step "cluster $flavor" "local cluster: SLURM_FLAVOR=$flavor"
     SLURM_FLAVOR=$flavor bash deploy/local/cluster.sh up || fail "cluster up ($flavor)"
     # shellcheck disable=SC1091
-    version=$(. build/cluster.env && ${TFIMAGE_CHROOT:+chroot "$TFIMAGE_CHROOT"} sinfo -V)
-    echo "tests: $version ($flavor) up in $(( $(date +%s) - start )) s"
-    step "pytest: cluster tier on $version"
-    start=$(date +%s)
-    .venv/bin/pytest -q -p no:cacheprovider tests/cluster
-    rc=$?
-    [ $rc -eq 5 ] && fail "pytest collected no cluster tests"
-    [ $rc -eq 0 ] || fail "cluster tier on $version: pytest exit $rc"
-    echo "tests: cluster tier on $version passed in $(( $(date +%s) - start )) s"
+    version=$(. build/cluster.env && ${TFIMAGE_CHROOT:+chroot "$TFIMAGE_CHROOT"} sinfo -V | awk '{print $2}')
+    echo "tests: Slurm $version ($flavor) up in $(fmt $((SECONDS - T_STEP)))"
+    printf '\n=== %s\n' "pytest: cluster tier on Slurm $version ($flavor)"
+    pytest_tier "cluster ($flavor, Slurm $version)" "build/pytest-cluster-$flavor.log" tests/cluster
+    CLUSTER+=("$(count passed "build/pytest-cluster-$flavor.log")")
+    SKIPPED+=("$(count skipped "build/pytest-cluster-$flavor.log")")
+    if [ "$flavor" = other ]; then CLUSTER_ON+=("$version in a chroot"); else CLUSTER_ON+=("$version"); fi
+    echo "tests: cluster tier on Slurm $version passed"
 done
+step ""
+
+line="$(debian "$THIS") host: Slurm $HOST_SLURM: $UNIT"
+if [ ${#CLUSTER[@]} -gt 0 ]; then
+    line+=", $(IFS=+; echo "${CLUSTER[*]}") cluster"
+    [ -z "$(echo "${SKIPPED[@]}" | tr -d '0 ')" ] || line+=" ($(IFS=+; echo "${SKIPPED[*]}") skipped)"
+    line+=" passed"
+    [ ${#CLUSTER[@]} -eq 1 ] || line+=" (Slurm $(IFS=+; echo "${CLUSTER_ON[*]}" | sed 's/+/ + /g'))"
+else
+    line+=" passed"
+fi
+echo "$line" >build/test-summary.txt
+echo
+echo "tests: times: $(IFS=,; echo "${TIMES[*]}" | sed 's/,/, /g'); $(fmt $((SECONDS - T_ALL))) in all"
+echo "tests: $line"
+[ -z "$OTHER_LINE" ] || echo "tests: $OTHER_LINE"
 echo "tests: all passed"
