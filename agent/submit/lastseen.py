@@ -1,6 +1,6 @@
 """The last digest a host saw for each tag, for pinning when the registry is down.
 
-One store serves everyone on a login node (the resolver runs as root for every
+One store serves everyone on a login node (the pin server runs as root for every
 user), so one user must not be able to push everyone else's tags out: entries are
 kept per uid, ``PER_UID`` each (the least recently changed go first), for at most
 ``MAX_UIDS`` users (the least recently active go first).  A lookup takes the

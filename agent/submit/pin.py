@@ -3,7 +3,7 @@ runs the same bytes however the tag moves while the job waits.
 
 When the registry does not answer, the last digest this host saw for the tag is used
 (with a warning): lastseen.py, in ``~/.cache/tfimage/last-seen.json`` when the user
-pins, in the daemon's ``STATE_DIR/last-seen.json`` when the resolver does.
+pins, in the daemon's ``STATE_DIR/last-seen.json`` when the pin server does.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def pin(
     ``job_image`` is the pinned image of the job this submission runs in (an srun
     inside an sbatch script): the same tag keeps the job's digest, so every step of
     a job runs the bytes pinned when the job was submitted.  ``uid``: whose pin this
-    is (the resolver's peer; by default this process's).
+    is (the pin server's peer; by default this process's).
     """
     if ref.digest:
         return ref, None
