@@ -40,6 +40,7 @@ class Behaviour:
     realm_host: str | None = None  # the realm's host[:port] (default: this server's)
     redirect_blob: str | None = None  # answer blob GETs with 307 to this Location
     basic: bool = False  # challenge requests without credentials for Basic auth
+    status: int | None = None  # answer every request with this status and nothing else
     # (path, Authorization header or "") of every request, in order
     seen: list[tuple[str, str]] = field(default_factory=list)
 
@@ -58,6 +59,11 @@ class Server:
             def do_GET(self) -> None:
                 b = outer.b
                 b.seen.append((self.path, self.headers.get("Authorization", "")))
+                if b.status is not None:
+                    self.send_response(b.status)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if self.path.startswith("/service/token"):
                     scope = self.path.split("scope=", 1)[1].split("&")[0]
                     b.tokens.append(unquote(scope))

@@ -231,3 +231,23 @@ def add_privileges(root: Path, work: Path) -> None:
     (root / "bin/euid").chmod(0o4755)
     os.mknod(root / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     os.chmod(root / "null", 0o666)  # noqa: S103 - the hostile image under test
+
+
+def flock_waiters(path: Path) -> int:
+    """How many flock requests wait on ``path`` now (``/proc/locks``' blocked lines):
+    what a test waits for instead of sleeping until others have queued."""
+    ino = os.stat(path).st_ino
+    return sum(
+        1
+        for line in Path("/proc/locks").read_text().splitlines()
+        if "->" in line and line.split()[-3].endswith(f":{ino}")
+    )
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    """Poll ``check`` until it holds (or fail the test after ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what or check}")
+        time.sleep(0.02)

@@ -44,6 +44,7 @@ class Context:
     slurm_conf: Path
     login: bool = False
     fuse_conf: Path = Path("/etc/fuse.conf")
+    dev_dir: Path = Path("/dev")  # where a GPU node has nvidia0, nvidia1, ...
     cfg: Config | None = None
     # slurm.conf, read once for every check that needs it
     slurm: dict[str, str] | None = None
@@ -387,11 +388,22 @@ def check_nvml(ctx: Context) -> Iterator[Finding]:
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError_LibraryNotFound:
-        yield Finding(
-            "nvml",
-            "info",
-            "no NVIDIA driver here (libnvidia-ml.so.1 not found): GPU checks are off on this node",
-        )
+        gpus = sorted(p.name for p in ctx.dev_dir.glob("nvidia[0-9]*"))
+        if gpus:
+            yield Finding(
+                "nvml",
+                "error",
+                f"{len(gpus)} GPU device file(s) in {ctx.dev_dir} ({', '.join(gpus[:4])}) "
+                "but no NVML (libnvidia-ml.so.1 not found): GPU jobs cannot be checked",
+                "install the NVIDIA driver's libnvidia-ml.so.1 (the driver's utils package)",
+            )
+        else:
+            yield Finding(
+                "nvml",
+                "info",
+                "no NVIDIA driver here (no libnvidia-ml.so.1, no /dev/nvidia*): "
+                "GPU checks are off on this node",
+            )
         return
     except pynvml.NVMLError as e:
         yield Finding(

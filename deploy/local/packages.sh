@@ -11,6 +11,7 @@ PKGS=(
     debootstrap busybox-static iproute2 util-linux procps psmisc
     python3 python3-venv python3-dev python3-pip
     e2fsprogs  # mkfs.ext4: where /tmp is a tmpfs, a test makes an ext4 that refuses O_DIRECT
+    strace     # a test sees the download's writeback hint reach the kernel
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -4,13 +4,12 @@ registry; a request that starts after an answer never takes it."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from support import Registry, at_once
+from support import Registry, at_once, flock_waiters, wait_for
 from tfimage.agent.cache.coalesce import lock_path
 from tfimage.agent.cache.store import CachedImage, ImageCache
 from tfimage.agent.config import Config, load_config
@@ -65,7 +64,8 @@ def queued(
     with tag_held(cfg, name):
         t = threading.Thread(target=lambda: out.update(r=at_once(call, n)))
         t.start()
-        time.sleep(2.0)  # every call has begun and waits on the lock
+        lock = lock_path(Path(cfg.cache_dir) / "locks", name)
+        wait_for(lambda: flock_waiters(lock) == n, what=f"{n} calls queued on the tag's lock")
     t.join(120)
     return out["r"]  # type: ignore[no-any-return]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from support import Registry
+from support import Registry, flock_waiters, wait_for
 from tfimage.agent.cache.evict import prune, remove, usage
 from tfimage.agent.cache.keep import kept_refs, set_kept
 from tfimage.agent.cache.store import ImageCache
@@ -179,16 +179,6 @@ def test_what_an_older_tfimage_kept_stays_kept(
     assert kept_refs(cache) == [str(cache.cfg.reference("eva:1"))]
 
 
-def _flock_waiters(path: Path) -> int:
-    """How many processes wait for a flock on ``path`` (from /proc/locks)."""
-    ino = os.stat(path).st_ino
-    return sum(
-        1
-        for line in Path("/proc/locks").read_text().splitlines()
-        if "->" in line and line.split()[-3].endswith(f":{ino}")
-    )
-
-
 def test_concurrent_keeps_lose_none(filled: tuple[ImageCache, dict[str, str], Path]) -> None:
     """Operators (or the warm timer) changing the keep list at once: each change waits
     for its lock, and none is lost."""
@@ -208,11 +198,7 @@ def test_concurrent_keeps_lose_none(filled: tuple[ImageCache, dict[str, str], Pa
             )
             for name in "abcd"
         ]
-        for _ in range(300):  # each is seen waiting for the lock we hold
-            if _flock_waiters(lock) == 4:
-                break
-            time.sleep(0.05)
-        assert _flock_waiters(lock) == 4
+        wait_for(lambda: flock_waiters(lock) == 4, what="four keeps queued on the lock")
         assert not (cache.root / "keep.json").exists()
     finally:
         os.close(fd)

@@ -124,6 +124,36 @@ def test_a_nearly_full_cache_and_a_leftover_mount_process_are_named(
     assert f"{left.pid} ({gone})" in findings["mounts"].message
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the cache must be root-owned: run as root")
+def test_a_cache_owned_by_another_user_is_an_error(tmp_path: Path, registry: Registry) -> None:
+    ctx = _node(tmp_path, registry, plugin=False)
+    os.chown(tmp_path / "cache", 65534, 65534)
+    cache = [f for f in run_checks(ctx) if f.check == "cache"]
+    assert [(f.level, f.message) for f in cache] == [
+        ("error", f"{tmp_path / 'cache'} is owned by uid 65534, not root")
+    ]
+    assert cache[0].fix == f"chown root {tmp_path / 'cache'}"
+
+
+def test_no_nvml_on_a_node_with_gpu_devices_is_an_error(tmp_path: Path) -> None:
+    """This machine has no libnvidia-ml.so.1: on a node without GPU device files that
+    is nothing to fix, on one with them an error (README: doctor)."""
+    import ctypes.util
+
+    from tfimage.agent.cli.doctor import check_nvml
+
+    if ctypes.util.find_library("nvidia-ml"):
+        pytest.skip("this machine has libnvidia-ml: the not-found path cannot be reached")
+    ctx = Context(tmp_path / "c.yaml", tmp_path / "slurm.conf", dev_dir=tmp_path / "dev")
+    (tmp_path / "dev").mkdir()
+    assert [f.level for f in check_nvml(ctx)] == ["info"]
+    for n in ("nvidia0", "nvidia1", "nvidiactl"):
+        (tmp_path / "dev" / n).touch()
+    found = list(check_nvml(ctx))
+    assert [f.level for f in found] == ["error"]
+    assert "2 GPU device file(s)" in found[0].message and found[0].fix
+
+
 def test_json_and_exit_code_from_the_cli(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

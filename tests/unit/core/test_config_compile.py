@@ -19,12 +19,33 @@ def _write(p: Path, text: str) -> Path:
     return p
 
 
-def test_compiled_config_loads_the_same_settings(tmp_path: Path) -> None:
-    cfg = _write(tmp_path / "config.yaml", "registry: h.example\nmirrors: [m1, m2]\n")
+YAML = """\
+registry: h.example
+project: team
+mirrors: [m1, m2]
+hook_deadline: 300
+bind_prefixes: [/home, /scratch]
+site_env: {TF_FORCE_GPU_ALLOW_GROWTH: "true", OMP_NUM_THREADS: "4"}
+tf_port_range: [30000, 30999]
+cache_max_bytes: 1073741824
+single_task_tf_config: true
+"""
+
+
+def test_the_compiled_form_holds_the_yamls_settings_field_by_field(tmp_path: Path) -> None:
+    import json
+
+    import yaml
+
+    cfg = _write(tmp_path / "config.yaml", YAML)
     out = compile_config(cfg)
     assert out == compiled_path(cfg) and oct(out.stat().st_mode & 0o777) == "0o644"
-    assert load_config(cfg) == load_config(cfg)  # stable
-    assert load_config(cfg).mirrors == ("m1", "m2")
+    settings = json.loads(out.read_text())["settings"]
+    assert settings == yaml.safe_load(YAML)  # every key and value, as written
+    loaded = load_config(cfg)  # from the JSON (the next test proves no yaml import)
+    for key, value in yaml.safe_load(YAML).items():
+        got = getattr(loaded, key)
+        assert got == (tuple(value) if isinstance(value, list) else value), key
 
 
 def test_an_edited_yaml_wins_over_a_stale_compiled_form(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from hostile import SIF_LAYER, Server, digest_of
 
-from support import at_once
+from support import at_once, flock_waiters, wait_for
 from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.config import load_config
 from tfimage.agent.errors import CacheError, RegistryError, RegistryUnreachable, VerificationError
@@ -419,7 +419,8 @@ def test_a_pinned_ensure_that_waited_for_the_download_never_loads_the_registry_c
             stdout=subprocess.PIPE,
             text=True,
         )
-        time.sleep(0.5)  # it starts and queues on the lock
+        lock = cache.root / "locks" / f"{digest.replace(':', '-')}.lock"
+        wait_for(lambda: flock_waiters(lock) == 1, what="the waiter queued on the lock")
         done = cache.root / "tmp" / "published"
         done.write_bytes(blob)
         done.rename(cache.path_of(digest))  # the download finished
@@ -512,3 +513,72 @@ def test_credentials_do_not_follow_a_redirect_to_another_host(
     assert seen["/redirected/blob"] == ""  # ...without the password
     blob_gets = [a for p, a in server.b.seen if "/blobs/" in p]
     assert blob_gets and blob_gets[-1].startswith("Basic ")  # which the registry did get
+
+
+# --- mirrors: who serves when the registry does not -------------------------------------
+
+
+@pytest.fixture
+def three(tls: Path) -> Iterator[list[Server]]:
+    """A registry and two mirrors, each a hostile server of its own."""
+    servers = [Server(tls) for _ in range(3)]
+    yield servers
+    for s in servers:
+        s.httpd.shutdown()
+
+
+def _with_mirrors(
+    cache_for: CacheFor, registry: Server, mirrors: list[str], tmp_path: Path
+) -> ImageCache:
+    cache = cache_for(registry)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(cfg.read_text() + f"mirrors: {mirrors}\nconnect_timeout: 1\n")
+    return ImageCache(load_config(cfg), client_factory=cache._client_factory)
+
+
+def test_a_registry_still_answering_5xx_moves_the_pull_to_the_mirror(
+    three: list[Server], cache_for: CacheFor, tmp_path: Path, make_sif: Callable[..., Path]
+) -> None:
+    primary, mirror, _ = three
+    blob = a_sif(make_sif)
+    primary.serve(blob, status=503)
+    mirror.serve(blob)
+    cache = _with_mirrors(cache_for, primary, [mirror.host], tmp_path)
+    got = cache.ensure(cache.cfg.reference("x:1"))
+    assert got.source == mirror.host and got.path.read_bytes() == blob
+    assert len(primary.b.seen) >= 2  # asked again (retries) before the mirror served
+
+
+def test_two_mirrors_are_tried_in_order_and_the_record_names_the_one_that_served(
+    three: list[Server], cache_for: CacheFor, tmp_path: Path, make_sif: Callable[..., Path]
+) -> None:
+    primary, first, second = three
+    blob = a_sif(make_sif)
+    primary.serve(blob, status=502)
+    first.serve(blob, status=503)
+    second.serve(blob)
+    cache = _with_mirrors(cache_for, primary, [first.host, second.host], tmp_path)
+    got = cache.ensure(cache.cfg.reference("x:1"))
+    assert got.source == second.host
+    assert first.b.seen and second.b.seen  # the first was asked, then the second
+    assert cache.read_meta(str(got.ref.digest))["source"] == second.host
+
+
+@pytest.mark.parametrize("status", [404, 403])
+def test_a_4xx_from_the_registry_is_final_and_no_mirror_is_asked(
+    three: list[Server],
+    cache_for: CacheFor,
+    tmp_path: Path,
+    make_sif: Callable[..., Path],
+    status: int,
+) -> None:
+    """Mirrors hold the same repositories: one that is not there, or not for these
+    credentials, is not there on a mirror either (README: Registry access)."""
+    primary, mirror, _ = three
+    blob = a_sif(make_sif)
+    primary.serve(blob, status=status)
+    mirror.serve(blob)
+    cache = _with_mirrors(cache_for, primary, [mirror.host], tmp_path)
+    with pytest.raises(RegistryError):
+        cache.ensure(cache.cfg.reference("x:1"))
+    assert mirror.b.seen == []
