@@ -54,6 +54,9 @@ class Config:
     # Set in every task where the user has not set them; TF wants exactly "true".
     site_env: dict[str, str] = field(default_factory=lambda: {"TF_FORCE_GPU_ALLOW_GROWTH": "true"})
     tf_port_range: tuple[int, int] = (29000, 29999)
+    # Where NCCL_IB_HCA's active ports are read (a site with its HCAs elsewhere, or
+    # a test, points it at another tree).
+    ib_sysfs: str = "/sys/class/infiniband"
     # Eviction: from the high watermark down to the low one, as a percentage of
     # cache_max_bytes when set, else of the cache filesystem; never younger than
     # cache_min_age seconds since last use.
@@ -181,7 +184,7 @@ def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Conf
         raise ConfigError(f"{path}: runtime must be one of {', '.join(RUNTIMES)}")
     if not 0 < cfg.cache_low_watermark <= cfg.cache_high_watermark <= 100:
         raise ConfigError(f"{path}: watermarks need 0 < low <= high <= 100")
-    for key in ("cache_dir", "state_dir", "hook_log"):
+    for key in ("cache_dir", "state_dir", "hook_log", "ib_sysfs"):
         if not str(getattr(cfg, key)).startswith("/"):
             raise ConfigError(f"{path}: '{key}' must be an absolute path")
     return cfg

@@ -75,6 +75,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         port_range=cfg.tf_port_range,
         single_task_tf_config=cfg.single_task_tf_config,
         limit=cfg.step_max_tasks,
+        ib_sysfs=Path(cfg.ib_sysfs),
     )
     rows = []
     for name, d in sorted(te.set.items()):

@@ -85,6 +85,7 @@ def step_env(cfg: Config, req: StepRequest) -> dict[int, dict[str, str]]:
         port_range=cfg.tf_port_range,
         limit=cfg.step_max_tasks,
         max_bytes=wire.MAX_ANSWER,
+        ib_sysfs=Path(cfg.ib_sysfs),
     )
 
 

@@ -131,12 +131,37 @@ def route_interface(host: str) -> str | None:
     return next((name for _, name in socket.if_nameindex() if _ipv4_of(name) == local), None)
 
 
-def ib_hcas(sys_root: Path = Path("/sys/class/infiniband")) -> str | None:
+IB_SYSFS = Path("/sys/class/infiniband")
+
+
+def _natural(p: Path) -> tuple[int, str]:
+    """mlx5_2 before mlx5_10, port 2 before port 10: the kernel's numbering."""
+    return len(p.name), p.name
+_ACTIVE = "4"  # ib_port_state: "4: ACTIVE"
+
+
+def ib_hcas(sys_root: Path = IB_SYSFS) -> str | None:
+    """NCCL_IB_HCA for this node: each HCA port whose state is ACTIVE, as
+    ``mlx5_0:1,mlx5_1:1`` (NCCL's syntax); None when there is none.  A port that is
+    down is left out: NCCL would try it and time out."""
     try:
-        names = sorted(p.name for p in sys_root.iterdir())
+        devices = sorted(sys_root.iterdir(), key=_natural)
     except OSError:
         return None
-    return ",".join(names) or None
+    active = []
+    for dev in devices:
+        try:
+            ports = sorted((dev / "ports").iterdir(), key=_natural)
+        except OSError:
+            continue
+        for port in ports:
+            try:
+                state = (port / "state").read_text(errors="replace")
+            except OSError:
+                continue
+            if state.split(":")[0].strip() == _ACTIVE:
+                active.append(f"{dev.name}:{port.name}")
+    return ",".join(active) or None
 
 
 @dataclass
@@ -172,6 +197,7 @@ def task_env(
     interface_of: Callable[[str], str | None] = route_interface,
     limit: int = MAX_HOSTS,
     layout: Layout | None = None,
+    ib_sysfs: Path = IB_SYSFS,
 ) -> TaskEnv:
     """The variables of the task ``env`` describes (or of ``layout``, already read
     from it: a step's tasks share one)."""
@@ -204,9 +230,9 @@ def task_env(
             f"={ifname}",
             f"the interface that routes to the step's first node {layout.hosts[0]}",
         )
-    hcas = ib_hcas()
+    hcas = ib_hcas(ib_sysfs)
     if hcas:
-        out.offer(env, "NCCL_IB_HCA", hcas, "from /sys/class/infiniband")
+        out.offer(env, "NCCL_IB_HCA", hcas, f"the active InfiniBand ports in {ib_sysfs}")
     for name, value in (site_env or {}).items():
         out.offer(env, name, value, "site default from the tfimage config")
     return out
@@ -222,6 +248,7 @@ def step_task_envs(
     port_range: tuple[int, int],
     limit: int,
     max_bytes: int,
+    ib_sysfs: Path = IB_SYSFS,
 ) -> dict[int, dict[str, str]]:
     """Each local task's variables, the step's layout read once.  Refused before
     it is built when every task's TF_CONFIG together would be more than
@@ -250,6 +277,7 @@ def step_task_envs(
             single_task_tf_config=single_task_tf_config,
             port_range=port_range,
             layout=replace(layout, local_id=local),
+            ib_sysfs=ib_sysfs,
         )
         out[local] = {k: d.value for k, d in te.set.items()}
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +13,13 @@ from tfimage.agent.config import Config
 from tfimage.agent.errors import StepLayoutError
 from tfimage.agent.step.hostlist import expand_counts, expand_hostlist
 from tfimage.agent.step.plan import StepRequest, step_env
-from tfimage.agent.step.taskenv import hashed_ports, route_interface, step_layout, task_env
+from tfimage.agent.step.taskenv import (
+    hashed_ports,
+    ib_hcas,
+    route_interface,
+    step_layout,
+    task_env,
+)
 
 
 @pytest.mark.parametrize(
@@ -238,3 +245,30 @@ def test_every_task_of_a_step_shares_one_layout_and_one_answer_bound() -> None:
 def test_the_nccl_interface_is_the_one_routing_to_the_first_node() -> None:
     assert route_interface("localhost") == "lo"  # the kernel's answer, no psutil
     assert route_interface("x" * 300) is None  # a name no resolver takes: not a crash
+
+
+def _hca(root: Path, name: str, ports: dict[str, str]) -> None:
+    for port, state in ports.items():
+        d = root / name / "ports" / port
+        d.mkdir(parents=True)
+        (d / "state").write_text(state + "\n")
+
+
+def test_nccl_ib_hca_names_the_active_ports_only(tmp_path: Path) -> None:
+    """A fake /sys/class/infiniband as the kernel lays it out (ib_port_state)."""
+    root = tmp_path / "infiniband"
+    _hca(root, "mlx5_0", {"1": "4: ACTIVE"})
+    _hca(root, "mlx5_1", {"1": "1: DOWN", "2": "4: ACTIVE"})
+    _hca(root, "mlx5_2", {"1": "2: INIT"})
+    _hca(root, "mlx5_10", {"1": "4: ACTIVE", "10": "4: ACTIVE", "2": "4: ACTIVE"})
+    assert ib_hcas(root) == "mlx5_0:1,mlx5_1:2,mlx5_10:1,mlx5_10:2,mlx5_10:10"
+    assert ib_hcas(tmp_path / "none") is None
+    _hca(tmp_path / "down", "mlx5_0", {"1": "1: DOWN"})
+    assert ib_hcas(tmp_path / "down") is None
+    env = step_env(
+        Config(registry="r.invalid", ib_sysfs=str(root)), _request("n[1-2]", "1(x2)", 1)
+    )
+    assert env[0]["NCCL_IB_HCA"] == "mlx5_0:1,mlx5_1:2,mlx5_10:1,mlx5_10:2,mlx5_10:10"
+    assert "NCCL_IB_HCA" not in step_env(
+        Config(registry="r.invalid", ib_sysfs=str(tmp_path / "down")), _request("n1", "2", 2)
+    )[1]
