@@ -28,7 +28,9 @@
 # would still leave (processes, mounts, the bridge or a veth) is listed and fails the
 # run.
 #
-#   TFIMAGE_OTHER_HOST_STEPS    what runs inside: "demo tests" (default), or one of them
+#   TFIMAGE_OTHER_HOST_STEPS    what runs inside: "demo tests" (default), or one of them;
+#                               "reverse" also runs this script from inside, towards this
+#                               machine's generation (what a machine of the other runs)
 #   TFIMAGE_OTHER_HOST_FLAVORS  the Slurm flavors of the cluster tier inside ("host";
 #                               "host other" also runs this generation's Slurm there)
 #   TFIMAGE_OTHER_HOST_TIMEOUT  seconds before the whole inner run is killed (1800;
@@ -236,6 +238,12 @@ inside() {
                 TFIMAGE_OTHER_HOST=inside TFIMAGE_FLAVORS=$FLAVORS bash tests/run-all.sh 2>&1 \
                     | tee "$logs/run-all.log" || rc=${PIPESTATUS[0]}
                 cp build/test-summary.txt "$logs/" 2>/dev/null || true ;;
+            reverse)
+                # What a machine of this generation runs: this script, towards the
+                # generation outside (nested namespaces, a root built in here).
+                printf '\n=== %s: bash deploy/local/other-host.sh run (steps: demo)\n' "$this"
+                TFIMAGE_OTHER_HOST_STEPS=demo bash deploy/local/other-host.sh run 2>&1 \
+                    | tee "$logs/reverse.log" || rc=${PIPESTATUS[0]} ;;
             *) echo "other-host: unknown step '$step' in TFIMAGE_OTHER_HOST_STEPS" >&2; rc=2 ;;
         esac
         echo "$step=$rc $((SECONDS - t0))" >>"$logs/result"
@@ -311,7 +319,7 @@ report() { # RC SECONDS: the summary line; status 0 only if all passed, nothing 
     for step in $STEPS; do
         st=$(sed -n "s/^$step=\([0-9]*\) .*/\1/p" "$result")
         sec=$(sed -n "s/^$step=[0-9]* //p" "$result")
-        log=build/other-host/$([ "$step" = demo ] && echo demo || echo run-all).log
+        log=build/other-host/$(case $step in tests) echo run-all ;; *) echo "$step" ;; esac).log
         if [ -z "$st" ] && [ "$rc" = 124 ]; then line+=", $step killed after ${LIMIT} s"; rc=killed
         elif [ -z "$st" ]; then line+=", $step not run"
         elif [ "$st" = 0 ]; then line+=", $step passed ($(fmt "$sec"))"
