@@ -25,7 +25,12 @@ step() { # NAME [WHAT]: a new step (none: the end); the last one's time is kept
     STEP=$1 T_STEP=$SECONDS
     [ -z "$1" ] || printf '\n=== %s\n' "${2:-$1}"
 }
-fail() { echo "tests: FAILED: $*" >&2; exit 1; }
+fail() {
+    [ -z "$STEP" ] || TIMES+=("$STEP $(fmt $((SECONDS - T_STEP))) (failed)")
+    echo "tests: times: $(IFS=,; echo "${TIMES[*]}" | sed 's/,/, /g')" >&2
+    echo "tests: FAILED: $*" >&2
+    exit 1
+}
 fmt() { if [ "$1" -ge 60 ]; then echo "$(($1 / 60)) min $(($1 % 60)) s"; else echo "$1 s"; fi; }
 
 pytest_tier() { # NAME LOG PATH: pytest, its output kept; exit 5 (nothing collected) fails
