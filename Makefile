@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: all venv lint wheel spank spank-other images cluster-up cluster-down cluster-status \
-        demo test test-unit test-cluster test-other-host bench clean
+        demo test test-unit test-cluster test-other-host mutate bench clean
 
 all: venv spank
 
@@ -67,6 +67,11 @@ test-other-host:
 # The whole suite: lint, both plugin builds, unit tests, then the cluster tier.
 test: venv lint spank spank-other cluster-up
 	$(VENV)/bin/pytest -q tests
+
+# Mutants of the pure modules against their unit tests (alone on a checkout: it
+# rewrites the module under test, and restores it).  Not part of .ci/run.
+mutate: venv
+	$(PY) tests/mutate.py
 
 bench: venv
 	$(VENV)/bin/python bench/run.py
