@@ -96,6 +96,98 @@ def test_stale_holder_is_reclaimed(filled: tuple[ImageCache, dict[str, str], Pat
     assert [g["digest"] for g in prune(cache)] == [d["a"]]
 
 
+def with_settings(cfg_path: Path, **settings: float) -> ImageCache:
+    """A cache under the same site file with ``settings`` added to it."""
+    cfg_path.write_text(cfg_path.read_text() + "".join(f"{k}: {v}\n" for k, v in settings.items()))
+    return ImageCache(load_config(cfg_path))
+
+
+def size_of(cache: ImageCache, digest: str) -> int:
+    return int(cache.read_meta(digest)["size"])
+
+
+def test_exactly_at_the_high_watermark_prune_starts(
+    filled: tuple[ImageCache, dict[str, str], Path],
+) -> None:
+    cache, d, cfg_path = filled
+    used = usage(cache).cache_bytes
+    # 100 * used / (2 * used) is exactly 50.0: at the mark, not below it
+    cache = with_settings(
+        cfg_path, cache_max_bytes=2 * used, cache_high_watermark=50, cache_low_watermark=40
+    )
+    assert usage(cache).percent == 50.0
+    assert [g["digest"] for g in prune(cache)][:1] == [d["a"]]
+
+
+def test_prune_stops_as_soon_as_it_reaches_the_low_watermark(
+    filled: tuple[ImageCache, dict[str, str], Path],
+) -> None:
+    cache, d, cfg_path = filled
+    used = usage(cache).cache_bytes
+    # the low mark lands exactly where the oldest image's bytes leave: a alone goes
+    after_a = used - size_of(cache, d["a"])
+    cache = with_settings(
+        cfg_path, cache_max_bytes=2 * after_a, cache_high_watermark=50, cache_low_watermark=50
+    )
+    assert [g["digest"] for g in prune(cache)] == [d["a"]]
+    assert cache.path_of(d["b"]).exists()
+
+
+def test_an_image_exactly_min_age_old_may_go_and_a_second_younger_may_not(
+    filled: tuple[ImageCache, dict[str, str], Path],
+) -> None:
+    cache, d, cfg_path = filled
+    cache = limited(cfg_path, cache, 0.95)
+    now = 1_000_000_000.0
+    age = cache.cfg.cache_min_age
+    for name, last in (("a", now - age), ("b", now - age + 1), ("c", now), ("d", now)):
+        cache.update_meta(d[name], lambda m, t=last: m.__setitem__("last_used", t))
+    assert [g["digest"] for g in prune(cache, dry_run=True, now=now)] == [d["a"]]
+
+
+def test_a_dry_run_lists_neither_kept_nor_held_images(
+    filled: tuple[ImageCache, dict[str, str], Path],
+) -> None:
+    cache, d, cfg_path = filled
+    cache = limited(cfg_path, cache, 0.95)
+    set_kept(cache, d["a"], True)
+    hold(cache, d["b"], "77", live=True)
+    listed = [g["digest"] for g in prune(cache, dry_run=True)]
+    assert d["a"] not in listed and d["b"] not in listed
+    assert listed[:1] == [d["c"]]
+
+
+def test_reclaiming_drops_only_the_holders_whose_jobs_are_gone(
+    filled: tuple[ImageCache, dict[str, str], Path],
+) -> None:
+    from tfimage.agent.cache.evict import reclaim_holders
+
+    cache, d, _ = filled
+    hold(cache, d["a"], "10", live=True)
+    hold(cache, d["a"], "11", live=False)
+    hold(cache, d["b"], "12", live=False)
+    assert reclaim_holders(cache) == 2
+    assert cache.read_meta(d["a"])["holders"] == ["10"]
+    assert cache.read_meta(d["b"])["holders"] == []
+    assert reclaim_holders(cache) == 0
+
+
+def test_refusals_name_the_short_digest_and_why(
+    filled: tuple[ImageCache, dict[str, str], Path],
+) -> None:
+    cache, d, _ = filled
+    short = re.escape(d["a"][:19])  # "sha256:" and 12 hex digits, as `cache ls` shows
+    hold(cache, d["a"], "5", live=True)
+    with pytest.raises(CacheError, match=rf"^{short} is held by running job\(s\) 5$"):
+        remove(cache, d["a"])
+    set_kept(cache, d["b"], True)
+    with pytest.raises(CacheError, match=rf"^{re.escape(d['b'][:19])} is kept;"):
+        remove(cache, d["b"])
+    remove(cache, d["b"], force=True)
+    with pytest.raises(CacheError, match=rf"^{re.escape(d['b'][:19])} is not in the cache$"):
+        remove(cache, d["b"])
+
+
 def test_rm_refuses_held_and_kept(filled: tuple[ImageCache, dict[str, str], Path]) -> None:
     cache, d, _ = filled
     hold(cache, d["a"], "5", live=True)
@@ -277,3 +369,27 @@ def test_orphans_are_reported_by_verify_and_removed_by_prune(
     assert sorted(json.loads(r.stdout)["orphans"]) == sorted([lone_sif.name, lone_json.name])
     assert not lone_sif.exists() and not lone_json.exists()
     assert verify(cache) == [] and len(cache.entries()) == 4  # the real entries untouched
+
+
+def test_leftovers_exactly_min_age_old_go_and_a_link_there_is_never_followed(
+    filled: tuple[ImageCache, dict[str, str], Path], tmp_path: Path
+) -> None:
+    from tfimage.agent.cache.evict import stale_partials
+
+    cache, _, _ = filled
+    tmp = cache.root / "tmp"
+    now = time.time()
+    edge = tmp / f"sha256-{'e' * 64}.partial"
+    edge.write_bytes(b"x")
+    mtime = edge.lstat().st_mtime
+    # Only root writes tmp/; a link there (a bug, an intruder) is left for an operator.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("keep me")
+    link = tmp / f"convert-sha256-{'f' * 64}"
+    link.symlink_to(outside, target_is_directory=True)
+    os.utime(link, (now - DAY, now - DAY), follow_symlinks=False)
+    gone = stale_partials(cache, now=mtime + cache.cfg.cache_min_age)
+    assert gone == [edge]
+    assert not edge.exists()
+    assert link.is_symlink() and (outside / "precious").read_text() == "keep me"

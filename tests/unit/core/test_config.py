@@ -63,3 +63,55 @@ def test_tf_settings(tmp_path: Path) -> None:
     ):
         with pytest.raises(ConfigError):
             load_config(write(tmp_path, bad))
+
+
+@pytest.mark.parametrize(
+    ("key", "low", "high"),
+    [
+        ("pull_connections", 1, 16),
+        ("pull_stripe_bytes", 1 << 16, 1 << 28),
+        ("step_max_tasks", 1, 1 << 20),
+    ],
+)
+def test_integer_settings_take_both_edges_and_nothing_past_them(
+    tmp_path: Path, key: str, low: int, high: int
+) -> None:
+    assert getattr(load_config(write(tmp_path, f"{key}: {low}\n")), key) == low
+    assert getattr(load_config(write(tmp_path, f"{key}: {high}\n")), key) == high
+    step = 4096 if key == "pull_stripe_bytes" else 1  # stripes stay block-aligned
+    for past in (low - step, high + step):
+        with pytest.raises(ConfigError, match=f"integer from {low} to {high}"):
+            load_config(write(tmp_path, f"{key}: {past}\n"))
+
+
+def test_a_stripe_one_byte_off_a_block_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="multiple of 4096"):
+        load_config(write(tmp_path, f"pull_stripe_bytes: {(1 << 20) + 1}\n"))
+    with pytest.raises(ConfigError, match="multiple of 4096"):
+        load_config(write(tmp_path, f"pull_stripe_bytes: {(1 << 20) + 4095}\n"))
+
+
+def test_the_port_range_may_span_1024_to_65535_and_no_further(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "tf_port_range: [1024, 65535]\n")).tf_port_range == (
+        1024,
+        65535,
+    )
+    assert load_config(write(tmp_path, "tf_port_range: [2000, 2000]\n")).tf_port_range == (
+        2000,
+        2000,
+    )
+    for bad in ("[1023, 2000]", "[2000, 65536]", "[3000, 2999]", "[2000]", "[true, 3000]"):
+        with pytest.raises(ConfigError, match="within 1024-65535"):
+            load_config(write(tmp_path, f"tf_port_range: {bad}\n"))
+
+
+@pytest.mark.parametrize("key", ["cache_max_bytes", "read_timeout", "cache_min_age"])
+def test_a_zero_size_or_time_is_refused(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ConfigError, match="positive"):
+        load_config(write(tmp_path, f"{key}: 0\n"))
+    assert getattr(load_config(write(tmp_path, f"{key}: 1\n")), key) == 1
+
+
+def test_a_mirror_that_is_the_registry_is_asked_once(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "registry: reg.site\nmirrors: [reg.site, m1.site]\n"))
+    assert cfg.sources(cfg.reference("tiny:1")) == ["reg.site", "m1.site"]

@@ -104,3 +104,56 @@ def test_canonical_form_round_trips(
 ) -> None:
     ref = Reference(host, "/".join(path), tag if tag or digest else "latest", digest, transport)
     assert p(str(ref)) == ref
+
+
+def test_the_length_bound_is_exactly_512_characters() -> None:
+    # Found by a mutant (512 -> 513) that no test killed.
+    # The longest of each part: a 255-character repository, a 128-character tag, a
+    # digest, and a host long enough to make 512.
+    tail = "/" + "/".join(["a" * 127] * 2) + ":" + "t" * 128 + "@sha256:" + "0" * 64
+    host = "h" * 40 + "." + "e" * (512 - len(tail) - 41)
+    name = host + tail
+    assert len(name) == 512 and p(name).digest
+    with pytest.raises(ImageReferenceError, match="longer than 512 characters"):
+        p(name + "0")
+
+
+def test_a_long_bad_reference_is_shown_cut_to_80_characters() -> None:
+    # Found by mutants of the message's cut (80, 77, <=) that no test killed.
+    bad = "Bad" + "x" * 200
+    with pytest.raises(ImageReferenceError) as e:
+        p(bad)
+    shown = str(e.value).split("'")[1]
+    assert len(shown) == 80 and shown.endswith("...") and shown.startswith("Badxxx")
+    exactly = "B" + "x" * 79
+    with pytest.raises(ImageReferenceError) as e:
+        p(exactly)
+    assert str(e.value).split("'")[1] == exactly  # 80 characters: shown whole
+    with pytest.raises(ImageReferenceError) as e:
+        p(exactly + "x")
+    assert str(e.value).split("'")[1] == exactly[:77] + "..."  # 81: cut
+
+
+@pytest.mark.parametrize(
+    ("port", "ok"), [("1", True), ("65535", True), ("0", False), ("65536", False)]
+)
+def test_a_registry_port_is_1_to_65535(port: str, ok: bool) -> None:
+    text = f"reg.site:{port}/library/tiny:1"
+    if ok:
+        assert p(text).registry == f"reg.site:{port}"
+    else:
+        with pytest.raises(ImageReferenceError, match=f"registry port {port} is out of range"):
+            p(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("docker://oras://tiny:1", "registry 'oras:' is not a valid host"),  # split once
+        ("tiny@sha256:" + "a" * 64 + "@sha256:" + "b" * 64, "digest must be"),
+    ],
+)
+def test_a_second_prefix_or_digest_is_refused_not_split_again(text: str, why: str) -> None:
+    # Found by mutants of the split's maxsplit (1 -> 2).
+    with pytest.raises(ImageReferenceError, match=why):
+        p(text)

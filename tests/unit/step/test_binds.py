@@ -37,3 +37,15 @@ def test_bad_mounts_name_the_problem(text: str, why: str) -> None:
     with pytest.raises(BindError, match=why) as e:
         parse_binds(text, PREFIXES)
     assert "\n" not in str(e.value)
+
+
+def test_thirty_two_mounts_are_taken_and_thirty_three_refused() -> None:
+    specs = [f"/data/d{i}:/m{i}" for i in range(33)]
+    assert len(parse_binds(",".join(specs[:32]), PREFIXES)) == 32
+    with pytest.raises(BindError, match="at most 32 mounts"):
+        parse_binds(",".join(specs), PREFIXES)
+
+
+def test_a_site_without_prefixes_says_none_are_configured() -> None:
+    with pytest.raises(BindError, match=r"outside the allowed prefixes \(none configured\)"):
+        parse_binds("/data/a:/x", ())

@@ -265,10 +265,77 @@ def test_nccl_ib_hca_names_the_active_ports_only(tmp_path: Path) -> None:
     assert ib_hcas(tmp_path / "none") is None
     _hca(tmp_path / "down", "mlx5_0", {"1": "1: DOWN"})
     assert ib_hcas(tmp_path / "down") is None
-    env = step_env(
-        Config(registry="r.invalid", ib_sysfs=str(root)), _request("n[1-2]", "1(x2)", 1)
-    )
+    env = step_env(Config(registry="r.invalid", ib_sysfs=str(root)), _request("n[1-2]", "1(x2)", 1))
     assert env[0]["NCCL_IB_HCA"] == "mlx5_0:1,mlx5_1:2,mlx5_10:1,mlx5_10:2,mlx5_10:10"
-    assert "NCCL_IB_HCA" not in step_env(
-        Config(registry="r.invalid", ib_sysfs=str(tmp_path / "down")), _request("n1", "2", 2)
-    )[1]
+    assert (
+        "NCCL_IB_HCA"
+        not in step_env(
+            Config(registry="r.invalid", ib_sysfs=str(tmp_path / "down")), _request("n1", "2", 2)
+        )[1]
+    )
+
+
+# --- edges: the last value allowed works, the first one past it is refused ----------
+
+
+def test_a_node_may_use_every_port_of_the_default_range_and_no_other() -> None:
+    env = env_for("n1", "1000", 0, 0)
+    lay = step_layout(env)
+    assert sorted(int(w.rsplit(":", 1)[1]) for w in lay.workers) == list(range(29000, 30000))
+    got = task_env(env, interface_of=lambda h: None, ib_sysfs=Path("/nonexistent"))
+    assert "hashed from job and step in 29000-29999" in got.set["TF_CONFIG"].why
+    with pytest.raises(StepLayoutError, match="1001 tasks on a node but only 1000 ports"):
+        step_layout(env_for("n1", "1001", 0, 0))
+
+
+def test_a_task_outside_the_layout_is_refused_on_either_axis() -> None:
+    for node, local in ((2, 0), (0, 2), (1, 1), (-1, 0)):
+        with pytest.raises(StepLayoutError, match="outside the step's layout"):
+            step_layout(env_for("n[1-2]", "2,1", node, local, SLURM_STEP_RESV_PORTS="20000-20001"))
+
+
+def test_the_explanation_names_eight_nodes_and_counts_the_rest() -> None:
+    def why(nodes: str, tpn: str) -> str:
+        env = env_for(nodes, tpn, 0, 0, SLURM_STEP_RESV_PORTS="20000")
+        return task_env(env, interface_of=lambda h: None).set["TF_CONFIG"].why
+
+    eight = ",".join(f"n{i}" for i in range(1, 9))
+    assert f"over {eight}; ports reserved by Slurm" in why("n[1-8]", "1(x8)")
+    assert f"over {eight},... (9); ports" in why("n[1-9]", "1(x9)")
+
+
+def test_a_hostlist_may_name_exactly_the_limit_and_not_one_more() -> None:
+    assert len(expand_hostlist("n[1-65536]")) == 65536
+    with pytest.raises(StepLayoutError, match="more than 65536 nodes"):
+        expand_hostlist("n[0-65536]")
+    assert expand_hostlist("a[1-2],b[1-2]", limit=4) == ["a1", "a2", "b1", "b2"]
+    with pytest.raises(StepLayoutError, match="more than 4 nodes"):
+        expand_hostlist("a[1-2],b[1-2],c", limit=4)
+
+
+def test_a_host_name_of_255_bytes_is_taken_and_256_refused() -> None:
+    assert expand_hostlist("a" * 255) == ["a" * 255]
+    assert expand_hostlist("a" * 252 + "[1-2]") == ["a" * 252 + "1", "a" * 252 + "2"]
+    for bad in ("a" * 256, "a" * 254 + "[9-10]"):
+        with pytest.raises(StepLayoutError, match="longer than 255 bytes"):
+            expand_hostlist(bad)
+
+
+def test_a_layout_variable_may_be_64_kib_and_not_a_byte_more() -> None:
+    names = "nn" + ",n" * 32767  # 65536 bytes, 32768 names
+    assert len(names) == 65536 and len(expand_hostlist(names)) == 32768
+    with pytest.raises(StepLayoutError, match="SLURM_STEP_NODELIST is longer than 65536 bytes"):
+        expand_hostlist("n" + names)
+
+
+def test_a_bracket_past_the_limit_is_refused_even_when_its_last_range_tips_it() -> None:
+    assert expand_hostlist("n[1-2]", limit=2) == ["n1", "n2"]
+    with pytest.raises(StepLayoutError, match="more than 2 nodes"):
+        expand_hostlist("n[1-2,3]", limit=2)
+
+
+def test_nccl_socket_ifname_says_it_routes_to_the_first_node() -> None:
+    env = env_for("n[1-2]", "1,1", 1, 0, SLURM_STEP_RESV_PORTS="20000")
+    got = task_env(env, interface_of=lambda h: {"n1": "ib0"}.get(h), ib_sysfs=Path("/nonexistent"))
+    assert got.set["NCCL_SOCKET_IFNAME"].value == "=ib0"
+    assert got.set["NCCL_SOCKET_IFNAME"].why.endswith("first node n1")
