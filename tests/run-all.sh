@@ -11,9 +11,15 @@
 #   TFIMAGE_OTHER_HOST=0          skip the other host generation (says so; refused
 #                                 under CI=true, where every run proves both)
 #
-# It brings the local cluster up and down: run it under the cluster lock,
+# It brings the local cluster up and down, and one machine holds one at a time: where
+# several people share a machine, take turns, e.g.
 #   flock /var/lock/tfimage-cluster.lock bash tests/run-all.sh
 set -uo pipefail
+case "${1:-}" in
+    -h | --help) sed -n '2,/^set -/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    "") ;;
+    *) echo "usage: $(basename "$0") [--help]" >&2; exit 2 ;;
+esac
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 [ "$(id -u)" = 0 ] || { echo "tests: run as root" >&2; exit 1; }

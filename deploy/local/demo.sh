@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # The demo: a real local cluster running a real --tf-image job.
 # Starts the cluster (packages, munge, registry, slurmctld, n1 and n2, images),
-# then submits an ordinary sbatch script as the unprivileged test user.
+# then submits an ordinary sbatch script as the unprivileged test user.  As root:
+#   bash deploy/local/demo.sh        (the cluster stays up; make cluster-down stops it)
 set -euo pipefail
+case "${1:-}" in
+    -h | --help) sed -n '2,/^set -/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    "") ;;
+    *) echo "usage: $(basename "$0") [--help]" >&2; exit 2 ;;
+esac
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 # shellcheck source=deploy/local/err-trap.sh
 . "$REPO/deploy/local/err-trap.sh" demo

@@ -12,9 +12,10 @@
 #   other-host.sh root    print the cached root's path, building it if needed
 #   other-host.sh clean   remove the cached roots and the shared download caches
 #
-# Run it under the cluster lock (flock /var/lock/tfimage-cluster.lock ...): the other
-# host's cluster has the same bridge, veth and address names as this machine's, in
-# the same network namespace, so this machine's cluster is stopped first.
+# The other host's cluster has the same bridge, veth and address names as this
+# machine's, in the same network namespace: this machine's cluster is stopped first.
+# Where several people share a machine, take turns as for cluster.sh (e.g. flock
+# /var/lock/tfimage-cluster.lock bash deploy/local/other-host.sh run).
 #
 # The root is debootstrap --variant=minbase with git, python3, python3-venv, make, gcc
 # and ca-certificates, and the sources a Debian install has (main, updates,
