@@ -181,7 +181,7 @@ def test_a_login_node_gets_the_plugin_and_config_only(cluster: Cluster) -> None:
         dropin = (scratch / "etc" / "plugstack.conf.d" / "tfimage.conf").read_text()
         assert f"required {scratch}/lib/spank_tfimage.so" in dropin
         # Login nodes pin at submit through the daemon; they prepare no steps.
-        assert " resolver=/run/tfimage/resolve.sock" in dropin and " daemon=" not in dropin
+        assert " pin_socket=/run/tfimage/pin.sock" in dropin and " daemon=" not in dropin
         doctor = cluster.on_node(
             "n1",
             [

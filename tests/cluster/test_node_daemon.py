@@ -59,10 +59,10 @@ def test_the_daemon_serves_steps_and_a_node_without_it_still_runs(
 
 
 def _resolved(cluster: Cluster, log: str) -> int:
-    """Submissions the test user's pin was answered for (" -> 0") in a daemon log."""
+    """Submissions the test user's tag was pinned for (" -> 0") in a daemon log."""
     uid = pwd.getpwnam(cluster.user).pw_uid
     path = cluster.state / "log" / log
-    return sum(f"resolve uid {uid} -> 0 " in line for line in path.read_text().splitlines())
+    return sum(f"pin uid {uid} -> 0 " in line for line in path.read_text().splitlines())
 
 
 def test_submissions_pin_through_the_daemon_and_without_it(cluster: Cluster, workdir: Path) -> None:
