@@ -82,9 +82,14 @@ class Registry:
 
 
 def need(*tools: str) -> None:
+    """Skip, saying why, where ``tools`` are missing; under ``CI=true`` fail instead:
+    a CI machine installs everything (.ci/run), so a missing tool is a broken step."""
     missing = [t for t in tools if not shutil.which(t)]
     if missing:
-        pytest.skip(f"needs {', '.join(missing)} (make venv installs them)")
+        why = f"needs {', '.join(missing)} (make venv and deploy/local/packages.sh install them)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{why}; CI=true: a missing tool is a failure, not a skip")
+        pytest.skip(why)
 
 
 def _run(*argv: str) -> None:
