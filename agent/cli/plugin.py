@@ -25,11 +25,11 @@ def pin_for_user(cfg: Config, ref_text: str, job_image: str) -> tuple[str, str |
 
 
 def cmd_submit_check(args: argparse.Namespace) -> int:
-    from tfimage.agent.step.binds import parse_binds
+    from tfimage.agent.step.binds import parse_user_binds
 
     cfg = load_config(args.config)
     ref = cfg.reference(args.ref)
-    parse_binds(args.tf_mount, cfg.bind_prefixes)
+    parse_user_binds(args.tf_mount, cfg.bind_prefixes, cfg.default_binds)
     if args.offline:
         print(ref)
         return 0

@@ -47,12 +47,12 @@ def last_seen_store(cfg: Config) -> Path:
 
 def answer(cfg: Config, req: SubmitCheck, uid: int) -> tuple[int, str, str]:
     """(status, stdout, stderr) for the plugin: see the module's docstring."""
-    from tfimage.agent.step.binds import parse_binds
+    from tfimage.agent.step.binds import parse_user_binds
     from tfimage.agent.submit.pin import pin
 
     try:
         ref = cfg.reference(req.ref)
-        parse_binds(req.tf_mount, cfg.bind_prefixes)
+        parse_user_binds(req.tf_mount, cfg.bind_prefixes, cfg.default_binds)
     except InputError as e:
         return 2, "", f"tfimage: {e}\n"
     try:

@@ -2,7 +2,11 @@
 
 Sources must lie under one of the admin's allowed prefixes (``bind_prefixes``),
 compared on whole path components, so ``/data`` allows ``/data/x`` but not
-``/database``.  Destinations may not cover the container's system directories.
+``/database``.  Destinations may not cover the container's system directories,
+nor lie inside (or cover) a destination the site binds into every container
+(``default_binds``): the site's bind would hide the user's, or the user's would
+need a mount point made inside the site's directory.  The same destination is
+allowed: the user's replaces the site's.
 """
 
 from __future__ import annotations
@@ -61,3 +65,23 @@ def parse_binds(text: str, allowed_prefixes: tuple[str, ...]) -> list[Bind]:
             raise BindError(f"--tf-mount: destination {dst} is given twice")
         out.append(Bind(src, dst, read_only=(mode == "ro")))
     return out
+
+
+def parse_user_binds(
+    text: str, prefixes: tuple[str, ...], site_binds: tuple[str, ...]
+) -> list[Bind]:
+    """``--tf-mount`` parsed as :func:`parse_binds` does, and checked against the
+    destinations of the site's ``site_binds`` (see the module's docstring)."""
+    binds = parse_binds(text, prefixes)
+    site = [d.dst for d in parse_binds(",".join(site_binds), ("/",))] if binds else []
+    for b in binds:
+        for dst in site:
+            if b.dst == dst:
+                continue
+            if under(b.dst, dst) or under(dst, b.dst):
+                how = "lies inside" if under(b.dst, dst) else "covers"
+                raise BindError(
+                    f"--tf-mount {b.src}:{b.dst}: destination {b.dst} {how} {dst}, which "
+                    "the site binds into every container; choose another destination"
+                )
+    return binds

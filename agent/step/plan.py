@@ -24,7 +24,7 @@ from tfimage.agent.errors import (
 )
 from tfimage.agent.logtext import oneline
 from tfimage.agent.step import imagemount
-from tfimage.agent.step.binds import parse_binds, under
+from tfimage.agent.step.binds import parse_binds, parse_user_binds, under
 from tfimage.agent.step.jobrecord import JobRecord
 from tfimage.agent.step.runtime import Bind, Runtime, StepSpec, runtime_for
 from tfimage.agent.step.taskenv import step_task_envs
@@ -153,7 +153,8 @@ def plan_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) ->
     if req.uid == 0:
         raise RuntimeSetupError("refusing to run a container task as root")
     env = step_env(cfg, req)  # layout errors first: they are the user's to fix
-    user_binds = _resolved(cfg, req.uid, parse_binds(req.tf_mount, cfg.bind_prefixes))
+    asked = parse_user_binds(req.tf_mount, cfg.bind_prefixes, cfg.default_binds)
+    user_binds = _resolved(cfg, req.uid, asked)
     runtime = runtime_for(cfg.runtime, cfg.runtime_path)
     argv = _step_argv(cfg, req, runtime, user_binds, cache)
     if runtime.name == "charliecloud":

@@ -67,6 +67,27 @@ class Cluster:
             **kw,
         )
 
+    def start(self, argv: list[str], cwd: Path) -> subprocess.Popen[str]:
+        """``argv`` as the test user, in the background, its stdout and stderr piped
+        (see run)."""
+        pw = pwd.getpwnam(self.user)
+        env = {**self.env, "HOME": pw.pw_dir, "USER": self.user, "LOGNAME": self.user}
+        env["PWD"] = str(cwd)
+        kw: dict[str, object] = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+        if self.chroot:
+            user = [f"--userspec={pw.pw_uid}:{pw.pw_gid}", "--groups="]
+            argv = ["/usr/sbin/chroot", *user, self.chroot, "env", "-C", str(cwd), *argv]
+            kw = {}
+        return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
+            argv,
+            cwd=None if self.chroot else cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **kw,
+        )
+
     def sbatch(
         self, workdir: Path, name: str, script: str, out: str, timeout: float = 180
     ) -> tuple[subprocess.CompletedProcess[str], str]:

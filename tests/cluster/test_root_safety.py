@@ -25,34 +25,6 @@ pytestmark = pytest.mark.cluster
 TFIMAGE_MOUNTS = "/run/tfimage/jobs/"
 
 
-def _start(cluster: Cluster, argv: list[str], cwd: Path) -> subprocess.Popen[str]:
-    """``argv`` as the test user, in the background (see Cluster.run)."""
-    pw = pwd.getpwnam(cluster.user)
-    env = {**cluster.env, "HOME": pw.pw_dir, "USER": cluster.user, "PWD": str(cwd)}
-    kw: dict[str, object] = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
-    if cluster.chroot:
-        argv = [
-            "/usr/sbin/chroot",
-            f"--userspec={pw.pw_uid}:{pw.pw_gid}",
-            "--groups=",
-            cluster.chroot,
-            "env",
-            "-C",
-            str(cwd),
-            *argv,
-        ]
-        kw = {}
-    return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
-        argv,
-        cwd=None if cluster.chroot else cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
-
-
 def _as_nobody_on(cluster: Cluster, node: str, *argv: str) -> subprocess.CompletedProcess[str]:
     """``argv`` as another unprivileged user (nobody), in the node's namespaces."""
     return cluster.on_node(
@@ -67,8 +39,7 @@ def test_a_setuid_file_or_device_in_a_users_image_is_never_root_on_the_node(
     root = tmp_path / "root-setuid:1"  # busybox_sif's tree: add to it and build again
     add_privileges(root, tmp_path)
     push(cluster, build_sif(root, tmp_path / "setuid.sif"), "setuid:1")
-    job = _start(
-        cluster,
+    job = cluster.start(
         ["srun", "-N1", "-w", "n1", "--tf-image=setuid:1", "sh", "-c", "echo up; sleep 60"],
         workdir,
     )
@@ -105,7 +76,7 @@ def test_a_link_under_an_allowed_prefix_cannot_mount_what_lies_outside(
     pw = pwd.getpwnam(cluster.user)
     os.lchown(link, pw.pw_uid, pw.pw_gid)
     r = cluster.run(
-        ["srun", "-N1", f"--tf-mount={link}:/mnt/etc", "--tf-image=tiny:1.0", "true"], cwd=workdir
+        ["srun", "-N1", f"--tf-mount={link}:/inputs", "--tf-image=tiny:1.0", "true"], cwd=workdir
     )
     assert r.returncode != 0
     assert f"--tf-mount {link}: it leads to /etc, outside the allowed prefixes" in r.stderr
@@ -120,10 +91,10 @@ def test_a_link_under_an_allowed_prefix_cannot_mount_what_lies_outside(
         [
             "srun",
             "-N1",
-            f"--tf-mount={workdir / 'data-link'}:/mnt/d",
+            f"--tf-mount={workdir / 'data-link'}:/inputs",
             "--tf-image=tiny:1.0",
             "cat",
-            "/mnt/d/f",
+            "/inputs/f",
         ],
         cwd=workdir,
     )

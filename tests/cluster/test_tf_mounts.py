@@ -49,6 +49,24 @@ def test_mount_outside_allowed_prefixes_rejected_at_submit(cluster: Cluster, wor
     assert cluster.job_ids() == before
 
 
+def test_a_mount_inside_the_sites_bind_is_refused_at_submit(
+    cluster: Cluster, workdir: Path
+) -> None:
+    # The local cluster binds $STATE/data at /mnt in every container (default_binds):
+    # mounted after the user's, it would hide /mnt/d and the job would find it empty.
+    before = cluster.job_ids()
+    r = cluster.run(
+        ["sbatch", "--tf-image=tiny:1.0", f"--tf-mount={workdir}:/mnt/d", "--wrap", "true"],
+        cwd=workdir,
+    )
+    assert r.returncode != 0
+    assert (
+        f"tfimage: submit: --tf-mount {workdir}:/mnt/d: destination /mnt/d lies inside /mnt, "
+        "which the site binds into every container" in r.stderr
+    )
+    assert cluster.job_ids() == before
+
+
 def test_missing_mount_source_fails_the_step_clearly(cluster: Cluster, workdir: Path) -> None:
     r = cluster.run(
         ["srun", "-N1", "--tf-image=tiny:1.0", f"--tf-mount={workdir}/nope:/inputs", "true"],

@@ -79,7 +79,7 @@ def test_the_plugin_speaks_exactly_the_wire_in_a_job(
             "-w",
             "n1",
             "--export=ALL,SLURM_STEP_GPUS=0",
-            f"--tf-mount={data}:/mnt/data",
+            f"--tf-mount={data}:/inputs",
             "--tf-image=tiny:1.0",
             "true",
         ],

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from tfimage.agent.errors import BindError
-from tfimage.agent.step.binds import parse_binds
+from tfimage.agent.step.binds import parse_binds, parse_user_binds
 from tfimage.agent.step.runtime import Bind
 
 PREFIXES = ("/home", "/data")
@@ -49,3 +49,24 @@ def test_thirty_two_mounts_are_taken_and_thirty_three_refused() -> None:
 def test_a_site_without_prefixes_says_none_are_configured() -> None:
     with pytest.raises(BindError, match=r"outside the allowed prefixes \(none configured\)"):
         parse_binds("/data/a:/x", ())
+
+
+@pytest.mark.parametrize(
+    ("text", "how"),
+    [
+        ("/data/a:/mnt/d", "destination /mnt/d lies inside /mnt"),  # the site's would hide it
+        ("/data/a:/scratch", "destination /scratch covers /scratch/shared"),
+    ],
+)
+def test_a_mount_inside_or_over_a_site_bind_is_refused(text: str, how: str) -> None:
+    site = ("/srv/data:/mnt", "/srv/shared:/scratch/shared:ro")
+    with pytest.raises(BindError, match=f"{how}, which the site binds into every container"):
+        parse_user_binds(text, PREFIXES, site)
+
+
+def test_the_site_binds_own_destination_is_the_users_to_replace() -> None:
+    site = ("/srv/data:/mnt",)
+    assert parse_user_binds("/data/a:/mnt,/data/b:/mnt2", PREFIXES, site) == [
+        Bind("/data/a", "/mnt"),
+        Bind("/data/b", "/mnt2"),
+    ]
