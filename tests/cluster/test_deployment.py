@@ -77,8 +77,8 @@ def test_site_prolog_epilog_and_plugin_survive(cluster: Cluster, workdir: Path) 
     assert re.search(rf"^Prolog={re.escape(str(etc))}/prolog\.d/\*$", conf, re.M), conf
     assert re.search(rf"^Epilog={re.escape(str(etc))}/epilog\.d/\*$", conf, re.M), conf
     assert re.search(r"^PrologFlags=.*\bAlloc\b", conf, re.M), conf
-    assert (etc / "prolog.d" / "00-site-prolog").resolve() == etc / "site-prolog"
-    assert (etc / "epilog.d" / "00-site-epilog").resolve() == etc / "site-epilog"
+    assert (etc / "prolog.d" / "99-site-prolog").resolve() == etc / "site-prolog"
+    assert (etc / "epilog.d" / "99-site-epilog").resolve() == etc / "site-epilog"
     plugstack = (etc / "plugstack.conf").read_text()
     assert f"optional {cluster.state}/lib/site_hello.so" in plugstack
     assert plugstack.count("include ") == 1, plugstack  # Debian-style include kept, not doubled
@@ -222,3 +222,39 @@ def test_a_change_reconfigures_slurm_and_an_unchanged_run_does_not(
         ["srun", "-N2", "--tf-image=tiny:1.0", "cat", "/etc/tfimage-test-image"], cwd=workdir
     )
     assert job.returncode == 0 and job.stdout.split() == ["tiny:1.0", "tiny:1.0"], job.stderr
+
+
+def test_the_credentials_never_appear_in_the_plays_output_even_with_vvv(
+    cluster: Cluster,
+) -> None:
+    password = (cluster.state / "pki" / "robot.password").read_text().strip()
+    r, counts, _ = _apply("-vvv")
+    assert r.returncode == 0 and counts.get("failed") == 0, r.stdout[-3000:]
+    assert len(r.stdout) > 10000  # -vvv did say a lot
+    assert password not in r.stdout and password not in r.stderr
+
+
+def test_the_maintenance_entry_warms_then_prunes(cluster: Cluster) -> None:
+    cron = Path(cluster.chroot or "/") / "etc" / "cron.d" / "tfimage"
+    lines = [line for line in cron.read_text().splitlines() if not line.startswith("#")]
+    job = next(line for line in lines if "cache warm" in line)
+    assert job.index("cache warm") < job.index("cache prune"), job
+
+
+def test_the_sites_prolog_runs_before_tfimages(cluster: Cluster, workdir: Path) -> None:
+    log = cluster.state / "nodes" / "n1" / "log"
+    seen = len((log / "hooks.log").read_text().splitlines())  # job ids restart with the cluster
+    r = cluster.run(
+        ["srun", "-N1", "-w", "n1", "--tf-image=tiny:1.0", "sh", "-c", "echo $SLURM_JOB_ID"],
+        cwd=workdir,
+    )
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip()
+    site_done = (log / f"site-prolog.{job}").stat().st_mtime
+    ours = next(
+        line
+        for line in (log / "hooks.log").read_text().splitlines()[seen:]
+        if f"tfimage-prolog: job {job}: " in line
+    )
+    stamp = time.mktime(time.strptime(ours[:19], "%Y-%m-%d %H:%M:%S")) + int(ours[20:23]) / 1000
+    assert site_done <= stamp + 0.001, (site_done, ours)  # 99-site-prolog, then 50-tfimage

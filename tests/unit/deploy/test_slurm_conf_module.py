@@ -45,7 +45,7 @@ def test_a_site_program_keeps_running_first(mod: ModuleType) -> None:
     text, extra = mod.plan(before, "/p.d", "/e.d", ["Alloc"])
     assert "#Prolog=/usr/local/sbin/site-prolog  # cleans /tmp  # tfimage: moved" in text
     assert "\nProlog=/p.d/*\n" in text
-    assert extra["links"] == {"/p.d/00-site-prolog": "/usr/local/sbin/site-prolog"}
+    assert extra["links"] == {"/p.d/99-site-prolog": "/usr/local/sbin/site-prolog"}
     assert "PrologFlags=Contain,X11,Alloc\n" in text  # the site's flags kept, in order
 
 
@@ -60,7 +60,7 @@ def test_the_last_setting_is_the_one_changed(mod: ModuleType) -> None:
     before = "Prolog=/old\nNodeName=n1\nProlog=/newer\n"
     text, extra = mod.plan(before, "/p.d", "/e.d", ["Alloc"])
     assert text.startswith("Prolog=/old\nNodeName=n1\n#Prolog=/newer")
-    assert extra["links"] == {"/p.d/00-site-prolog": "/newer"}
+    assert extra["links"] == {"/p.d/99-site-prolog": "/newer"}
 
 
 @pytest.mark.parametrize(
@@ -72,3 +72,18 @@ def test_a_second_pass_changes_nothing(mod: ModuleType, before: str) -> None:
     twice, extra = mod.plan(once, "/p.d", "/e.d", ["Alloc"])
     assert twice == once
     assert extra["links"] == {}
+
+
+def test_an_older_link_that_ran_after_tfimages_is_renamed_to_run_first(
+    mod: ModuleType, tmp_path: Path
+) -> None:
+    # slurmd runs a glob's matches in reverse order of name: 99-site before 50-tfimage
+    # before 00-site (seen on the local cluster: test_the_sites_prolog_runs_before_tfimages).
+    p, e = tmp_path / "p.d", tmp_path / "e.d"
+    p.mkdir()
+    e.mkdir()
+    (p / "00-site-prolog").symlink_to("/usr/local/sbin/site-prolog")
+    (e / "99-site-epilog").symlink_to("/already/new")
+    (e / "00-site-epilog").symlink_to("/usr/local/sbin/site-epilog")  # both: leave it
+    renames = mod.renamed_site_links({"Prolog": str(p), "Epilog": str(e)})
+    assert renames == {str(p / "00-site-prolog"): str(p / "99-site-prolog")}

@@ -4,8 +4,12 @@
 Prolog= and Epilog= become prolog.d-style globs (Slurm >= 21.08 runs every match):
 - unset: set to ``DIR/*``;
 - already a glob: kept; tfimage's script goes into that glob's directory;
-- a single program: that program is linked as ``DIR/00-site-<kind>`` so it still
+- a single program: that program is linked as ``DIR/99-site-<kind>`` so it still
   runs first, and the key becomes ``DIR/*``; the old line stays, commented.
+  slurmd runs a glob's matches in reverse order of their names (its list of them is
+  built by pushing each at the front; seen on 22.05.8 and 24.11), so 99-site-prolog
+  runs before tfimage's 50-tfimage.  A ``00-site-<kind>`` link an older tfimage
+  made (which ran after tfimage's) is renamed.
 PrologFlags gains ``Alloc`` (and anything else asked for); other flags are kept.
 Nothing else in the file is touched.  Supports check mode and diff.  Returns the
 file's PrologEpilogTimeout (seconds, or null when unset: Slurm then waits for ever)
@@ -47,6 +51,21 @@ def _key_line(lines: list[str], key: str) -> int | None:
     return found
 
 
+SITE_PREFIX = "99-site-"
+OLD_SITE_PREFIX = "00-site-"  # before 2026-12-03: it ran after tfimage's
+
+
+def renamed_site_links(dirs: dict[str, str]) -> dict[str, str]:
+    """Links an older tfimage made that now must be named to run first: old -> new."""
+    out = {}
+    for key, d in dirs.items():
+        old = f"{d.rstrip('/')}/{OLD_SITE_PREFIX}{key.lower()}"
+        new = f"{d.rstrip('/')}/{SITE_PREFIX}{key.lower()}"
+        if os.path.islink(old) and not os.path.lexists(new):
+            out[old] = new
+    return out
+
+
 def _value(line: str) -> str:
     return line.split("#", 1)[0].split("=", 1)[1].strip()
 
@@ -67,9 +86,9 @@ def plan(text: str, prolog_dir: str, epilog_dir: str, flags: list[str]) -> tuple
             continue
         out["dirs"][key] = d
         if value:
-            out["links"][f"{d.rstrip('/')}/00-site-{key.lower()}"] = value
+            out["links"][f"{d.rstrip('/')}/{SITE_PREFIX}{key.lower()}"] = value
             lines[i : i + 1] = [
-                f"#{lines[i].strip()}  {MARK}moved to {d}/00-site-{key.lower()}",
+                f"#{lines[i].strip()}  {MARK}moved to {d}/{SITE_PREFIX}{key.lower()}",
                 f"{key}={want}",
             ]
         else:
@@ -109,7 +128,8 @@ def main() -> None:
         if not (os.path.islink(link) and os.readlink(link) == target)
     }
     dirs_to_make = [d for d in set(extra["dirs"].values()) if not os.path.isdir(d)]
-    changed = changed or bool(links_to_make) or bool(dirs_to_make)
+    renames = renamed_site_links(extra["dirs"])
+    changed = changed or bool(links_to_make) or bool(dirs_to_make) or bool(renames)
     i = _key_line(before.splitlines(), "PrologEpilogTimeout")
     timeout = _value(before.splitlines()[i]) if i is not None else ""
     result = {
@@ -118,6 +138,7 @@ def main() -> None:
         "prolog_dir": extra["dirs"]["Prolog"],
         "epilog_dir": extra["dirs"]["Epilog"],
         "site_links": extra["links"],
+        "site_links_renamed": renames,
         "diff": {
             "before": before,
             "after": after,
@@ -129,6 +150,8 @@ def main() -> None:
         module.exit_json(**result)
     for d in dirs_to_make:
         os.makedirs(d, mode=0o755, exist_ok=True)
+    for old, new in renames.items():
+        os.rename(old, new)
     for link, target in links_to_make.items():
         if os.path.lexists(link):
             os.unlink(link)
