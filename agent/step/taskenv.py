@@ -137,6 +137,8 @@ IB_SYSFS = Path("/sys/class/infiniband")
 def _natural(p: Path) -> tuple[int, str]:
     """mlx5_2 before mlx5_10, port 2 before port 10: the kernel's numbering."""
     return len(p.name), p.name
+
+
 _ACTIVE = "4"  # ib_port_state: "4: ACTIVE"
 
 
