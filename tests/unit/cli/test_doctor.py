@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -107,7 +108,9 @@ def test_a_nearly_full_cache_and_a_leftover_mount_process_are_named(
     fake.chmod(0o755)
     state = Path(load_config(ctx.config_path).state_dir)
     gone = state / "jobs" / "9" / "img-abc"  # its mount point, unmounted
-    left = subprocess.Popen([str(fake), "300", str(gone)])
+    # Its own process group: killing it must take its sleep too (a leftover sleep
+    # fails the other host's leftover check).
+    left = subprocess.Popen([str(fake), "300", str(gone)], start_new_session=True)
     for _ in range(100):  # until it has exec'd (its name is the program's)
         if Path(f"/proc/{left.pid}/comm").read_text().strip() == "squashfuse":
             break
@@ -116,7 +119,7 @@ def test_a_nearly_full_cache_and_a_leftover_mount_process_are_named(
         (cache / "fill").write_bytes(b"\0" * (1000 << 10))
         findings = {f.check: f for f in run_checks(ctx) if f.check in ("cache", "mounts")}
     finally:
-        left.kill()
+        os.killpg(left.pid, signal.SIGKILL)
         left.wait()
         subprocess.run(["umount", str(cache)], check=True)
     assert findings["cache"].level == "error" and "% full" in findings["cache"].message
