@@ -357,6 +357,7 @@ def test_kill_9_mid_striped_pull_resumes_from_the_prefix_it_wrote(
     server: Server,
     cache_for: CacheFor,
     tmp_path: Path,
+    tls: Path,
     make_sif: Callable[[dict[str, str]], Path],
 ) -> None:
     blob = a_sif(make_sif, size=3_000_000)
@@ -374,11 +375,17 @@ def test_kill_9_mid_striped_pull_resumes_from_the_prefix_it_wrote(
     kept = partial.stat().st_size
     # Stripes came over two connections, yet the file is the blob's first bytes.
     assert 400_000 < kept < len(blob) and partial.read_bytes() == blob[:kept]
-    server.b.delay = 0
-    server.b.ranges.clear()
-    got = cache.ensure(cache.cfg.reference("x:1"))
+    # The resume asks a registry of its own: a request the killed pull had already
+    # sent can still reach the first one's handlers (and its log) after the kill.
+    again = Server(tls)
+    try:
+        again.serve(blob)
+        cache = cache_for(again, pull_connections=2, pull_stripe_bytes=1 << 16)
+        got = cache.ensure(cache.cfg.reference("x:1"))
+    finally:
+        again.httpd.shutdown()
     assert got.path.read_bytes() == blob
-    ranges = _asked(server, len(blob))
+    ranges = _asked(again, len(blob))
     # From the prefix's last whole 4 KiB block on, each byte asked for once.
     assert ranges[0][0] == kept - kept % 4096 and ranges[-1][1] == len(blob)
     assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
