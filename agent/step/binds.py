@@ -1,4 +1,4 @@
-"""``--tf-mount=SRC:DST[:ro|rw][,...]`` and the admin's default mounts, parsed strictly.
+"""``--tf-mount=SRC:DST[:ro|rw][,...]`` and the site's default binds, parsed strictly.
 
 Sources must lie under one of the admin's allowed prefixes (``bind_prefixes``),
 compared on whole path components, so ``/data`` allows ``/data/x`` but not
