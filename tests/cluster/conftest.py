@@ -6,6 +6,7 @@ so a missing cluster is a failure there, never a silent pass.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
+from hostile import Server
 
 from support import build_sif
 
@@ -121,6 +124,29 @@ class Cluster:
             stdin=subprocess.DEVNULL,
             check=False,
         )
+
+    def hooks_log(self, node: str) -> list[str]:
+        """The node's hook log, a line each (it outlives the cluster: job ids repeat)."""
+        path = self.state / "nodes" / node / "log" / "hooks.log"
+        return path.read_text().splitlines() if path.exists() else []
+
+    @contextlib.contextmanager
+    def config_with(self, **changes: object) -> Iterator[None]:
+        """Every node's and the login node's config with ``changes``, put back after
+        (same inode, size and mtime: its compiled form is valid again)."""
+        path = Path(self.env["TFIMAGE_CONFIG"])
+        text, st = path.read_text(), path.stat()
+        cfg = yaml.safe_load(text)
+        cfg.update(changes)
+        path.write_text(yaml.safe_dump(cfg))
+        daemon = ["bash", str(REPO / "deploy/local/cluster.sh"), "daemon", "login"]
+        try:
+            subprocess.run(daemon, check=True, timeout=60)  # the pin server reads it at start
+            yield
+        finally:
+            path.write_text(text)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+            subprocess.run(daemon, check=True, timeout=60)
 
     def node_mounts(self, node: str) -> list[str]:
         """Mount points as seen inside the node's own mount namespace."""
@@ -234,3 +260,24 @@ def daemon_pid(cluster: Cluster, node: str) -> int | None:
         except OSError:
             continue
     return None
+
+
+@contextlib.contextmanager
+def bridge_server(cluster: Cluster, tmp_path: Path) -> Iterator[Server]:
+    """A hostile registry (tests/hostile.py) on the cluster's bridge, with a
+    certificate from the cluster's CA: the nodes trust it as they trust the real one."""
+    pki = cluster.state / "pki"
+    addr = cluster.env["TFIMAGE_REGISTRY"].split(":")[0]
+    (tmp_path / "ext.cnf").write_text(f"subjectAltName=IP:{addr}\nextendedKeyUsage=serverAuth\n")
+    key, csr, crt = (str(tmp_path / n) for n in ("srv.key", "srv.csr", "srv.crt"))
+    ca = ["-CA", str(pki / "ca.crt"), "-CAkey", str(pki / "ca.key"), "-CAcreateserial"]
+    for argv in (
+        ["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=t", "-keyout", key, "-out", csr],
+        ["x509", "-req", "-in", csr, *ca, "-extfile", str(tmp_path / "ext.cnf"), "-out", crt],
+    ):
+        subprocess.run(["openssl", *argv], check=True, capture_output=True, timeout=60)
+    server = Server(tmp_path, address=addr)
+    try:
+        yield server
+    finally:
+        server.httpd.shutdown()

@@ -243,7 +243,7 @@ def test_the_maintenance_entry_warms_then_prunes(cluster: Cluster) -> None:
 
 def test_the_sites_prolog_runs_before_tfimages(cluster: Cluster, workdir: Path) -> None:
     log = cluster.state / "nodes" / "n1" / "log"
-    seen = len((log / "hooks.log").read_text().splitlines())  # job ids restart with the cluster
+    seen = len(cluster.hooks_log("n1"))  # job ids restart with the cluster
     r = cluster.run(
         ["srun", "-N1", "-w", "n1", "--tf-image=tiny:1.0", "sh", "-c", "echo $SLURM_JOB_ID"],
         cwd=workdir,
@@ -252,9 +252,7 @@ def test_the_sites_prolog_runs_before_tfimages(cluster: Cluster, workdir: Path) 
     job = r.stdout.strip()
     site_done = (log / f"site-prolog.{job}").stat().st_mtime
     ours = next(
-        line
-        for line in (log / "hooks.log").read_text().splitlines()[seen:]
-        if f"tfimage-prolog: job {job}: " in line
+        line for line in cluster.hooks_log("n1")[seen:] if f"tfimage-prolog: job {job}: " in line
     )
     stamp = time.mktime(time.strptime(ours[:19], "%Y-%m-%d %H:%M:%S")) + int(ours[20:23]) / 1000
     assert site_done <= stamp + 0.001, (site_done, ours)  # 99-site-prolog, then 50-tfimage

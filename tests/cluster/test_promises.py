@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, Cluster, busybox_sif, push, write_script
-from hostile import Server
+from conftest import REPO, Cluster, bridge_server, busybox_sif, push, write_script
 
 from support import wait_for
 
@@ -28,32 +27,8 @@ pytestmark = pytest.mark.cluster
 CLUSTER_SH = REPO / "deploy/local/cluster.sh"
 
 
-def _hooks_log(cluster: Cluster, node: str) -> list[str]:
-    path = cluster.state / "nodes" / node / "log" / "hooks.log"
-    return path.read_text().splitlines() if path.exists() else []
-
-
 def _node_cache(cluster: Cluster, node: str) -> Path:
     return cluster.state / "nodes" / node / "cache" / "images"
-
-
-@contextlib.contextmanager
-def config_with(cluster: Cluster, **changes: object) -> Iterator[None]:
-    """Every node's and the login node's config with ``changes``, put back after
-    (same inode, size and mtime: its compiled form is valid again)."""
-    path = Path(cluster.env["TFIMAGE_CONFIG"])
-    text, st = path.read_text(), path.stat()
-    cfg = yaml.safe_load(text)
-    cfg.update(changes)
-    path.write_text(yaml.safe_dump(cfg))
-    daemon = ["bash", str(CLUSTER_SH), "daemon", "login"]
-    try:
-        subprocess.run(daemon, check=True, timeout=60)  # the pin server reads it at start
-        yield
-    finally:
-        path.write_text(text)
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-        subprocess.run(daemon, check=True, timeout=60)
 
 
 @contextlib.contextmanager
@@ -100,8 +75,7 @@ def test_the_prolog_pulls_the_image_before_the_first_step(
         wait_for(cached.exists, timeout=120, what="the prolog's pull")
         wait_for(
             lambda: any(
-                f"job {job}: " in line and "pulled from" in line
-                for line in _hooks_log(cluster, "n1")
+                f"job {job}: " in line and "pulled from" in line for line in cluster.hooks_log("n1")
             ),
             what="the prolog's log line",
         )
@@ -172,7 +146,7 @@ def test_a_tasks_nccl_ib_hca_names_the_nodes_active_ports(cluster: Cluster, work
         for port, state in ports.items():
             (tree / dev / "ports" / port).mkdir(parents=True, exist_ok=True)
             (tree / dev / "ports" / port / "state").write_text(state + "\n")
-    with config_with(cluster, ib_sysfs=str(tree)):
+    with cluster.config_with(ib_sysfs=str(tree)):
         r = cluster.run(
             ["srun", "-N2", "--tf-image=tiny:1.0", "sh", "-c", 'echo "$NCCL_IB_HCA"'],
             cwd=workdir,
@@ -225,7 +199,7 @@ def test_registry_down_at_submit_the_last_seen_digest_and_a_warning(
 ) -> None:
     ok = cluster.run(["srun", "-N1", "--tf-image=tiny:1.0", "true"], cwd=workdir)
     assert ok.returncode == 0, ok.stderr  # seen now, by the pin server and the user
-    with config_with(cluster, connect_timeout=1, read_timeout=2), registry_stopped(cluster):
+    with cluster.config_with(connect_timeout=1, read_timeout=2), registry_stopped(cluster):
         r = cluster.run(
             ["srun", "-N1", "--tf-image=tiny:1.0", "cat", "/etc/tfimage-test-image"], cwd=workdir
         )
@@ -249,7 +223,7 @@ def test_a_registry_stopped_during_the_prolog_fails_the_job_not_the_node(
     cluster: Cluster, workdir: Path, tmp_path: Path
 ) -> None:
     digest = _fresh_image(cluster, tmp_path, "stopped")
-    with config_with(cluster, connect_timeout=1, read_timeout=2), registry_stopped(cluster):
+    with cluster.config_with(connect_timeout=1, read_timeout=2), registry_stopped(cluster):
         r = cluster.run(
             ["srun", "-N1", "-w", "n1", f"--tf-image=stopped@{digest}", "true"], cwd=workdir
         )
@@ -262,36 +236,23 @@ def test_a_registry_stopped_during_the_prolog_fails_the_job_not_the_node(
 def test_a_corrupt_blob_fails_the_job_not_the_node_and_publishes_nothing(
     cluster: Cluster, workdir: Path, tmp_path: Path
 ) -> None:
-    pki = cluster.state / "pki"
-    addr = cluster.env["TFIMAGE_REGISTRY"].split(":")[0]
-    (tmp_path / "ext.cnf").write_text(f"subjectAltName=IP:{addr}\nextendedKeyUsage=serverAuth\n")
-    key, csr, crt = (str(tmp_path / n) for n in ("srv.key", "srv.csr", "srv.crt"))
-    ca = ["-CA", str(pki / "ca.crt"), "-CAkey", str(pki / "ca.key"), "-CAcreateserial"]
-    for argv in (
-        ["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=t", "-keyout", key, "-out", csr],
-        ["x509", "-req", "-in", csr, *ca, "-extfile", str(tmp_path / "ext.cnf"), "-out", crt],
-    ):
-        subprocess.run(["openssl", *argv], check=True, capture_output=True, timeout=60)
     good = busybox_sif(tmp_path, "corrupt").read_bytes()
     evil = bytearray(good)
     evil[-1] ^= 0xFF
-    server = Server(tmp_path, address=addr)
-    try:
-        layer = {
-            "mediaType": "application/vnd.sylabs.sif.layer.v1.sif",
-            "digest": "sha256:" + hashlib.sha256(good).hexdigest(),
-            "size": len(good),
-        }
+    layer = {
+        "mediaType": "application/vnd.sylabs.sif.layer.v1.sif",
+        "digest": "sha256:" + hashlib.sha256(good).hexdigest(),
+        "size": len(good),
+    }
+    with bridge_server(cluster, tmp_path) as server:
         server.serve(bytes(evil), layers=[layer])
         digest = "sha256:" + hashlib.sha256(server.b.manifest).hexdigest()
         allowed = [cluster.env["TFIMAGE_REGISTRY"], server.host]
-        with config_with(cluster, allowed_registries=allowed):
+        with cluster.config_with(allowed_registries=allowed):
             evil_ref = f"{server.host}/library/evil@{digest}"
             r = cluster.run(
                 ["srun", "-N1", "-w", "n1", f"--tf-image={evil_ref}", "true"], cwd=workdir
             )
-    finally:
-        server.httpd.shutdown()
     assert r.returncode != 0 and "sha256 of the download does not match" in r.stderr, r.stderr
     _idle(cluster, "n1")
     assert not list(_node_cache(cluster, "n1").glob(f"{digest.replace(':', '-')}.*"))
@@ -331,7 +292,7 @@ def test_env_explain_in_an_image_step_tells_the_values_the_task_has(
         "python3 -c 'import json, os; print(json.dumps(dict(os.environ)))' >env.$SLURM_PROCID"
     )  # to files: srun cuts a task's long lines into 2 KiB pieces and interleaves them
     prefixes = ["/home", "/opt/tfimage", etc]
-    with config_with(cluster, bind_prefixes=prefixes):
+    with cluster.config_with(bind_prefixes=prefixes):
         r = cluster.run(
             [
                 "srun",

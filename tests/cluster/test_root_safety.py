@@ -5,7 +5,6 @@ trickles cannot hold a prolog past its deadline."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import pwd
@@ -15,8 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import REPO, Cluster, busybox_sif, push
+from conftest import Cluster, bridge_server, busybox_sif, push
 from hostile import Server
 
 from support import add_privileges, build_sif
@@ -101,11 +99,6 @@ def test_a_link_under_an_allowed_prefix_cannot_mount_what_lies_outside(
     assert r.returncode == 0 and r.stdout == "through the link\n", r.stderr
 
 
-def _hooks_log(cluster: Cluster, node: str) -> list[str]:
-    path = cluster.state / "nodes" / node / "log" / "hooks.log"
-    return path.read_text().splitlines() if path.exists() else []
-
-
 @pytest.mark.parametrize("image", ["-x", "--help", "a\nb"])
 def test_the_deployed_prolog_never_fails_for_a_jobs_value(cluster: Cluster, image: str) -> None:
     """Any user can give a job any control environment through Slurm's API; the
@@ -113,53 +106,21 @@ def test_the_deployed_prolog_never_fails_for_a_jobs_value(cluster: Cluster, imag
     job = str(4_000_000_000 + len(image))
     script = cluster.state / "etc" / "prolog.d" / "50-tfimage"
     assert script.exists()
-    before = len(_hooks_log(cluster, "n1"))
+    before = len(cluster.hooks_log("n1"))
     r = cluster.on_node(
         "n1", ["env", f"SPANK_TFIMAGE_IMAGE={image}", f"SLURM_JOB_ID={job}", "/bin/sh", str(script)]
     )
     assert r.returncode == 0, r.stderr
-    new = [line for line in _hooks_log(cluster, "n1")[before:] if f"job {job}" in line]
+    new = [line for line in cluster.hooks_log("n1")[before:] if f"job {job}" in line]
     assert len(new) == 1 and "invalid image reference" in new[0], new
-
-
-@contextlib.contextmanager
-def _config_with(cluster: Cluster, **changes: object) -> Iterator[None]:
-    """The nodes' and the login node's config with ``changes``, put back after (same
-    inode, size and mtime, so its compiled form is valid again)."""
-    path = Path(cluster.env["TFIMAGE_CONFIG"])
-    text, st = path.read_text(), path.stat()
-    cfg = yaml.safe_load(text)
-    cfg.update(changes)
-    path.write_text(yaml.safe_dump(cfg))
-    daemon = ["bash", str(REPO / "deploy/local/cluster.sh"), "daemon", "login"]
-    try:
-        subprocess.run(daemon, check=True, timeout=60)  # the resolver loads it at start
-        yield
-    finally:
-        path.write_text(text)
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-        subprocess.run(daemon, check=True, timeout=60)
 
 
 @pytest.fixture
 def trickling(cluster: Cluster, tmp_path: Path) -> Iterator[Server]:
     """A registry on the cluster's bridge that sends 64 KiB a second (each read well
     inside read_timeout), with a certificate from the cluster's CA."""
-    pki = cluster.state / "pki"
-    addr = cluster.env["TFIMAGE_REGISTRY"].split(":")[0]
-    (tmp_path / "ext.cnf").write_text(f"subjectAltName=IP:{addr}\nextendedKeyUsage=serverAuth\n")
-    key, csr, crt = (str(tmp_path / n) for n in ("srv.key", "srv.csr", "srv.crt"))
-    ca = ["-CA", str(pki / "ca.crt"), "-CAkey", str(pki / "ca.key"), "-CAcreateserial"]
-    for argv in (
-        ["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=t", "-keyout", key, "-out", csr],
-        ["x509", "-req", "-in", csr, *ca, "-extfile", str(tmp_path / "ext.cnf"), "-out", crt],
-    ):
-        subprocess.run(["openssl", *argv], check=True, capture_output=True, timeout=60)
-    s = Server(tmp_path, address=addr)
-    try:
+    with bridge_server(cluster, tmp_path) as s:
         yield s
-    finally:
-        s.httpd.shutdown()
 
 
 def test_a_trickling_registry_ends_the_prolog_at_its_deadline_and_the_job_says_why(
@@ -169,14 +130,14 @@ def test_a_trickling_registry_ends_the_prolog_at_its_deadline_and_the_job_says_w
     digest = "sha256:" + hashlib.sha256(trickling.b.manifest).hexdigest()
     ref = f"{trickling.host}/library/slow@{digest}"
     allowed = [cluster.env["TFIMAGE_REGISTRY"], trickling.host]
-    before = len(_hooks_log(cluster, "n1"))
-    with _config_with(cluster, hook_deadline=8, allowed_registries=allowed):
+    before = len(cluster.hooks_log("n1"))
+    with cluster.config_with(hook_deadline=8, allowed_registries=allowed):
         started = time.monotonic()
         r = cluster.run(["srun", "-N1", "-w", "n1", f"--tf-image={ref}", "true"], cwd=workdir)
         took = time.monotonic() - started
     assert r.returncode != 0
     assert "the prolog could not ready it on this node: prolog: gave up after 8 s" in r.stderr
     assert took < 8 + 20, took  # the deadline, once: not a second wait in the step
-    lines = [line for line in _hooks_log(cluster, "n1")[before:] if "library/slow" in line]
+    lines = [line for line in cluster.hooks_log("n1")[before:] if "library/slow" in line]
     assert len(lines) == 1 and "gave up after 8 s" in lines[0], lines
     assert cluster.node_state("n1") in ("idle", "mixed"), "never drained"
