@@ -67,13 +67,18 @@ def parse_binds(text: str, allowed_prefixes: tuple[str, ...]) -> list[Bind]:
     return out
 
 
+def parse_site_binds(site_binds: tuple[str, ...]) -> list[Bind]:
+    """The admin's ``default_binds``: parsed as strictly, from any source (the admin's)."""
+    return parse_binds(",".join(site_binds), ("/",))
+
+
 def parse_user_binds(
     text: str, prefixes: tuple[str, ...], site_binds: tuple[str, ...]
 ) -> list[Bind]:
     """``--tf-mount`` parsed as :func:`parse_binds` does, and checked against the
     destinations of the site's ``site_binds`` (see the module's docstring)."""
     binds = parse_binds(text, prefixes)
-    site = [d.dst for d in parse_binds(",".join(site_binds), ("/",))] if binds else []
+    site = [d.dst for d in parse_site_binds(site_binds)] if binds else []
     for b in binds:
         for dst in site:
             if b.dst == dst:

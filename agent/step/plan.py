@@ -24,7 +24,7 @@ from tfimage.agent.errors import (
 )
 from tfimage.agent.logtext import oneline
 from tfimage.agent.step import imagemount
-from tfimage.agent.step.binds import parse_binds, parse_user_binds, under
+from tfimage.agent.step.binds import parse_site_binds, parse_user_binds, under
 from tfimage.agent.step.jobrecord import JobRecord
 from tfimage.agent.step.runtime import Bind, Runtime, StepSpec, runtime_for
 from tfimage.agent.step.taskenv import step_task_envs
@@ -199,7 +199,7 @@ def _step_argv(
     """The argv prefix that runs a task of this step inside its image."""
     workdir = imagemount.safe_abspath(req.workdir, "working directory") if req.workdir else None
     binds = list(user_binds)
-    for d in parse_binds(",".join(cfg.default_binds), ("/",)):
+    for d in parse_site_binds(cfg.default_binds):
         # The admin's defaults: skipped where the node lacks them, and the user's win.
         if Path(d.src).exists() and not any(b.dst == d.dst for b in binds):
             binds.append(d)
