@@ -14,13 +14,14 @@ import sys
 from tfimage.agent import wire
 from tfimage.agent.config import Config, load_config
 from tfimage.agent.errors import TfimageError
+from tfimage.agent.reference import Reference
 
 
-def pin_for_user(cfg: Config, ref_text: str, job_image: str) -> tuple[str, str | None]:
-    """``ref_text`` checked and pinned as this process's user; a fallback's warning."""
+def pin_for_user(cfg: Config, ref: Reference, job_image: str) -> tuple[str, str | None]:
+    """``ref`` pinned as this process's user; a fallback's warning."""
     from tfimage.agent.submit.pin import pin
 
-    pinned, warning = pin(cfg, cfg.reference(ref_text), job_image=job_image or None)
+    pinned, warning = pin(cfg, ref, job_image=job_image or None)
     return str(pinned), warning
 
 
@@ -33,7 +34,7 @@ def cmd_submit_check(args: argparse.Namespace) -> int:
     if args.offline:
         print(ref)
         return 0
-    pinned, warning = pin_for_user(cfg, args.ref, args.job_image)
+    pinned, warning = pin_for_user(cfg, ref, args.job_image)
     if warning:
         print(f"tfimage: {warning}", file=sys.stderr)
     print(pinned)
