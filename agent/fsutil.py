@@ -1,10 +1,11 @@
-"""The two file primitives every writer of tfimage's state uses.
+"""The file primitives every writer of tfimage's state uses.
 
 - :func:`held`: a lock file (created 0600, never through a link) held with flock
   until the block ends;
 - :func:`write_json`: replace a file with JSON atomically (a temporary file in the
   same directory, renamed over it), fsynced first when asked; a reader sees the old
-  content or the new, never a part.
+  content or the new, never a part;
+- :func:`fsync_dir`: make a rename into a directory survive a crash.
 """
 
 from __future__ import annotations
@@ -51,8 +52,13 @@ def write_json(path: Path, data: object, *, mode: int = 0o644, durable: bool = F
             os.unlink(tmp)
         raise
     if durable:
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync the directory ``path``: the names renamed into it are on disk after."""
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

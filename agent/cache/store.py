@@ -36,7 +36,7 @@ from tfimage.agent.errors import (
     RegistryUnreachable,
     VerificationError,
 )
-from tfimage.agent.fsutil import held, write_json
+from tfimage.agent.fsutil import fsync_dir, held, write_json
 from tfimage.agent.reference import Reference
 from tfimage.agent.sif import has_magic
 
@@ -241,11 +241,7 @@ class ImageCache:
         try:
             os.chmod(tmp, 0o444)
             os.rename(tmp, self.path_of(digest))
-            dirfd = os.open(self.root / "images", os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dirfd)
-            finally:
-                os.close(dirfd)
+            fsync_dir(self.root / "images")
         except OSError as e:
             self._discard(self.meta_path(digest))
             raise CacheError(f"{self.root}: cannot publish {ref.name}: {e.strerror}") from None
