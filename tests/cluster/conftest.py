@@ -162,6 +162,13 @@ class Cluster:
             time.sleep(0.2)
         return r.stdout.strip()
 
+    def assert_never_drained(self, node: str) -> None:
+        """Any state that still takes jobs passes: idle or mixed, and also 24.11's
+        "planned" (idle, with a pending job's start planned there by backfill)."""
+        state = self.node_state(node)
+        unhealthy = ("drain", "down", "fail", "not_responding", "unknown")
+        assert state and not any(word in state for word in unhealthy), f"{node} is {state!r}"
+
     def job_ids(self) -> set[str]:
         r = self.run(["squeue", "-h", "-a", "--states=all", "-o", "%i"], as_root=True)
         return set(r.stdout.split())

@@ -215,10 +215,6 @@ def test_registry_down_at_submit_the_last_seen_digest_and_a_warning(
 # --- 7. never drains ---------------------------------------------------------------------------
 
 
-def _idle(cluster: Cluster, node: str) -> None:
-    assert cluster.node_state(node) in ("idle", "mixed"), "the node must never drain"
-
-
 def test_a_registry_stopped_during_the_prolog_fails_the_job_not_the_node(
     cluster: Cluster, workdir: Path, tmp_path: Path
 ) -> None:
@@ -229,7 +225,7 @@ def test_a_registry_stopped_during_the_prolog_fails_the_job_not_the_node(
         )
     assert r.returncode != 0
     assert "the prolog could not ready it" in r.stderr and "unreachable" in r.stderr, r.stderr
-    _idle(cluster, "n1")
+    cluster.assert_never_drained("n1")
     assert not list(_node_cache(cluster, "n1").glob(f"{digest.replace(':', '-')}.*"))
 
 
@@ -254,7 +250,7 @@ def test_a_corrupt_blob_fails_the_job_not_the_node_and_publishes_nothing(
                 ["srun", "-N1", "-w", "n1", f"--tf-image={evil_ref}", "true"], cwd=workdir
             )
     assert r.returncode != 0 and "sha256 of the download does not match" in r.stderr, r.stderr
-    _idle(cluster, "n1")
+    cluster.assert_never_drained("n1")
     assert not list(_node_cache(cluster, "n1").glob(f"{digest.replace(':', '-')}.*"))
 
 
@@ -274,7 +270,7 @@ def test_a_full_cache_filesystem_fails_the_job_not_the_node(
         cluster.on_node("n1", ["umount", "/var/cache/tfimage"])
     assert job.returncode != 0 and "No space left on device" in job.stderr, job.stderr
     assert left.stdout.strip() == ""  # nothing half-published
-    _idle(cluster, "n1")
+    cluster.assert_never_drained("n1")
 
 
 # --- 8. env --explain inside an image step ---------------------------------------------------

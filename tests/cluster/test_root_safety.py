@@ -140,4 +140,4 @@ def test_a_trickling_registry_ends_the_prolog_at_its_deadline_and_the_job_says_w
     assert took < 8 + 20, took  # the deadline, once: not a second wait in the step
     lines = [line for line in cluster.hooks_log("n1")[before:] if "library/slow" in line]
     assert len(lines) == 1 and "gave up after 8 s" in lines[0], lines
-    assert cluster.node_state("n1") in ("idle", "mixed"), "never drained"
+    cluster.assert_never_drained("n1")
