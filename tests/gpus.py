@@ -1,0 +1,74 @@
+"""A fake NVML for tests: tests/fakenvml/fakenvml.c built into a real
+``libnvidia-ml.so.1`` that the real nvidia-ml-py loads through LD_LIBRARY_PATH, with
+the GPUs' state in a JSON file named by FAKE_NVML_STATE (the C file documents it).
+
+Named node states, each a dict to write with :meth:`FakeNvml.write`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+SOURCE = Path(__file__).parent / "fakenvml" / "fakenvml.c"
+
+
+def build_fake_nvml(out: Path) -> Path:
+    """Compile the fake into ``out/libnvidia-ml.so.1``; returns ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    lib = out / "libnvidia-ml.so.1"
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o", str(lib), str(SOURCE)],
+        check=True,
+        timeout=120,
+    )
+    return out
+
+
+def gpu(i: int, **over: Any) -> dict[str, Any]:
+    """A healthy data-centre GPU: every check answers, nothing wrong.  Minor numbers
+    run backwards from the index (7 - i), so a test notices which one is used."""
+    d: dict[str, Any] = {
+        "uuid": f"GPU-{i:08x}-1111-2222-3333-{i:012x}",
+        "pci": f"00000000:{0x1B + 0x10 * i:02X}:00.0",
+        "minor": 7 - i,
+        "ecc_dbe_volatile": 0,
+        "ecc_sbe_volatile": 3,
+        "remapped": [0, 0, 0, 0],
+        "retired_pending": 0,
+        "retired_sbe": 0,
+        "retired_dbe": 0,
+        "inforom": "SUCCESS",
+        "recovery_action": 0,
+        "processes": [],
+        "nvlinks": [1] * 18,
+        "energy_mj": 1_000_000 + i,
+        "clock_events": 1,  # idle
+        "persistence": 1,
+        "pcie": [16, 16, 5, 5],
+    }
+    d.update(over)
+    return d
+
+
+def node(n: int = 8, **over: Any) -> dict[str, Any]:
+    return {"driver": "550.54.15", "devices": [gpu(i) for i in range(n)], **over}
+
+
+class FakeNvml:
+    def __init__(self, lib_dir: Path, state: Path) -> None:
+        self.lib_dir = lib_dir
+        self.state = state
+
+    def write(self, doc: dict[str, Any]) -> None:
+        self.state.write_text(json.dumps(doc))
+
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "LD_LIBRARY_PATH": str(self.lib_dir),
+            "FAKE_NVML_STATE": str(self.state),
+        }
