@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tfimage.agent.errors import ConfigError
+from tfimage.agent.gpuconfig import GpuPolicy, gpu_policy
 from tfimage.agent.reference import Reference, check_allowed, parse_reference
 
 DEFAULT_PATH = Path("/etc/tfimage/config.yaml")
@@ -72,6 +73,8 @@ class Config:
     # stream was as fast and cost the registry a quarter less CPU (bench/pull.py).
     pull_connections: int = 1
     pull_stripe_bytes: int = 8 << 20
+    # The GPU gate (gpuconfig.py documents every key).
+    gpu: GpuPolicy = field(default_factory=GpuPolicy)
 
     @property
     def allowlist(self) -> tuple[str, ...]:
@@ -110,6 +113,8 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def _coerce(key: str, value: Any, path: Path) -> Any:
+    if key == "gpu":
+        return gpu_policy(value, path)
     if key == "site_env":
         if not isinstance(value, dict) or not all(
             isinstance(k, str) and _ENV_NAME.match(k) and isinstance(v, str)

@@ -1,0 +1,146 @@
+"""The ``gpu:`` section of the site config: what the GPU gate checks and what it does.
+
+Every threshold, switch and severity has a default here, each citing its source.
+Unknown keys are errors, as in the rest of the config.
+
+    gpu:
+      checks: true          # the gate before GPU jobs (false: none at all)
+      all_jobs: true        # GPU jobs without --tf-image are checked too
+      scope: job            # job: the job's GPUs; node: every GPU of the node
+      mapping: index        # how Slurm names a GPU: index, uuid or minor
+      shared: false         # this node shares GPUs through gres/shard or gres/mps
+      retired_pages_max: 60
+      retired_pages_dbe_max: 15
+      remapped_rows_max: null
+      xids: [48, 62, 64, 74, 79, 92, 95, 119, 120, 140]
+      kmsg: /dev/kmsg
+      severity: {persistence: "off"}   # any check: drain, warning or off
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from tfimage.agent.errors import ConfigError
+
+# What each check is, in the order the gate runs them; the severity each has unless
+# the site says otherwise.  Drain-class findings drain the node (the only reason a
+# tfimage hook exits non-zero); warnings are logged.
+CHECKS: dict[str, str] = {
+    "init": "drain",  # NVML does not initialise while GPUs are allocated
+    "count": "drain",  # fewer GPUs visible than Slurm allocated
+    "lost": "drain",  # GPU lost, or needing a reset (NVML's own answer)
+    "inforom": "drain",  # nvmlDeviceValidateInforom: corrupt InfoROM
+    "recovery": "drain",  # the driver's recovery action asks for a reset or a reboot
+    "remap_failure": "drain",
+    "remap_pending": "drain",
+    "remapped_rows": "drain",  # over remapped_rows_max
+    "retired_pending": "drain",
+    "retired_pages": "drain",  # over retired_pages_max / retired_pages_dbe_max
+    "ecc_dbe": "drain",  # volatile uncorrected ECC since the driver loaded
+    "processes": "drain",  # compute processes from outside the job
+    "nvlink": "drain",  # a link NVML knows of that is down
+    "xid": "drain",  # a critical XID in the kernel log since the last check
+    "persistence": "warning",
+    "clocks": "warning",  # hardware slowdown, thermal or power-brake clock events
+    "pcie": "warning",  # link narrower or slower than its maximum
+}
+SEVERITIES = ("drain", "warning", "off")
+SCOPES = ("job", "node")
+MAPPINGS = ("index", "uuid", "minor")
+
+
+@dataclass(frozen=True)
+class GpuPolicy:
+    checks: bool = True
+    # Default on: a job that lands on a broken GPU is what the gate is for, whether or
+    # not it asked for an image (product decision 5).
+    all_jobs: bool = True
+    scope: str = "job"
+    # index: AutoDetect=nvml numbers GPUs as NVML does; minor: File=/dev/nvidiaN
+    # (DESIGN.md, GPUs and NVML).  UUIDs in the allocation are taken as UUIDs in any mode.
+    mapping: str = "index"
+    # Slurm does not keep gres/shard (or gres/mps) and whole-GPU allocations apart on
+    # one GPU, so on such a node another job's processes are legitimate.
+    shared: bool = False
+    # DCGM_LIMIT_MAX_RETIRED_PAGES = 60 and its soft limit 15 for double-bit pages
+    # (DCGM, dcgm_gpu_hardware_limits.h, "defined via bug 1665722").
+    retired_pages_max: int = 60
+    retired_pages_dbe_max: int = 15
+    # NVIDIA gives a remap *failure* (checked above) as the replacement criterion
+    # (GPU Memory Error Management, "Row Remapping"); a count limit is a site's early
+    # warning, off unless set.
+    remapped_rows_max: int | None = None
+    # XIDs whose action in NVIDIA's "XID Errors" catalogue is a reset, a reboot or a
+    # replacement: 48 DBE, 62 internal micro-controller halt, 64 row-remap failure,
+    # 74 NVLink error, 79 fallen off the bus, 92 high single-bit ECC rate, 95
+    # uncontained ECC, 119/120 GSP timeout/error, 140 unrecovered ECC.  Application
+    # XIDs (13, 31, 43) are the job's, never the node's.
+    xids: tuple[int, ...] = (48, 62, 64, 74, 79, 92, 95, 119, 120, 140)
+    # The kernel log, read with a cursor per GPU (a test points it at a fixture).
+    kmsg: str = "/dev/kmsg"
+    severity: dict[str, str] = field(default_factory=dict)
+
+    def severity_of(self, check: str) -> str:
+        return self.severity.get(check, CHECKS[check])
+
+
+_BOOLS = {"checks", "all_jobs", "shared"}
+_COUNTS = {"retired_pages_max", "retired_pages_dbe_max", "remapped_rows_max"}
+
+
+def _one(key: str, value: Any, where: str) -> Any:
+    if key in _BOOLS:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: 'gpu.{key}' must be true or false")
+        return value
+    if key in _COUNTS:
+        if value is None and key == "remapped_rows_max":
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 20:
+            raise ConfigError(f"{where}: 'gpu.{key}' must be a count from 0 to {1 << 20}")
+        return value
+    if key in ("scope", "mapping"):
+        allowed = SCOPES if key == "scope" else MAPPINGS
+        if value not in allowed:
+            raise ConfigError(f"{where}: 'gpu.{key}' must be one of {', '.join(allowed)}")
+        return value
+    if key == "xids":
+        if not isinstance(value, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 < x < 1 << 16 for x in value
+        ):
+            raise ConfigError(f"{where}: 'gpu.xids' must be a list of XID numbers")
+        return tuple(value)
+    if key == "kmsg":
+        if not isinstance(value, str) or not value.startswith("/"):
+            raise ConfigError(f"{where}: 'gpu.kmsg' must be an absolute path")
+        return value
+    # severity
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: 'gpu.severity' must map check names to a severity")
+    for check, level in value.items():
+        if check not in CHECKS:
+            raise ConfigError(
+                f"{where}: 'gpu.severity': unknown check {str(check)[:40]!r} "
+                f"(known: {', '.join(CHECKS)})"
+            )
+        if level not in SEVERITIES:
+            raise ConfigError(
+                f"{where}: 'gpu.severity.{check}' must be one of {', '.join(SEVERITIES)}"
+            )
+    return dict(value)
+
+
+def gpu_policy(value: Any, path: Path) -> GpuPolicy:
+    """The ``gpu:`` mapping of the config at ``path``, checked key by key."""
+    if value is None:
+        return GpuPolicy()
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: 'gpu' must be a mapping of settings")
+    known = {f.name for f in fields(GpuPolicy)}
+    unknown = sorted(str(k) for k in value if k not in known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown setting(s) under 'gpu': {', '.join(unknown)}")
+    return GpuPolicy(**{k: _one(k, v, str(path)) for k, v in value.items()})
