@@ -268,6 +268,10 @@ def build_parser(daemon: Handler | None = None) -> argparse.ArgumentParser:
 
     register(sub, cmd_pull)
 
+    from tfimage.agent.cli.gpu import register as register_gpu
+
+    register_gpu(sub)
+
     from tfimage.agent.cli.plugin import register as register_plugin
 
     register_plugin(sub)

@@ -1,0 +1,70 @@
+"""Draining a node for a GPU fault, and resuming only what tfimage drained.
+
+The drain is ``scontrol update NodeName=N State=DRAIN Reason="tfimage: ..."``: the
+reason starts with ``tfimage:`` so that :func:`resume` (``tfimage gpu resume``) can
+tell its own drains from a site's, and never touches the site's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from tfimage.agent.errors import InputError, TfimageError
+from tfimage.agent.toolrun import run
+
+PREFIX = "tfimage:"
+_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+TIMEOUT = 15.0
+
+
+def _env() -> dict[str, str]:
+    # The hook's own SLURM_CONF (slurmd's, or the operator's shell), never a job's.
+    conf = os.environ.get("SLURM_CONF", "")
+    return {"SLURM_CONF": conf} if conf.startswith("/") else {}
+
+
+def check_node(node: str) -> str:
+    if not _NODE.match(node):
+        raise InputError(f"node name {node[:40]!r} is not a Slurm node name")
+    return node
+
+
+def drain(node: str, reason: str) -> None:
+    """Drain ``node`` with ``reason`` (which must start with ``tfimage:``)."""
+    if not reason.startswith(PREFIX):
+        raise ValueError("a tfimage drain's reason starts with tfimage:")
+    run(
+        ["scontrol", "update", f"NodeName={check_node(node)}", "State=DRAIN", f"Reason={reason}"],
+        timeout=TIMEOUT,
+        what="gpu: drain",
+        env=_env(),
+    )
+
+
+def state(node: str) -> tuple[str, str]:
+    """The node's state (``drained``, ``idle``...) and its reason ("" for none)."""
+    out = run(
+        ["sinfo", "-h", "-N", "-n", check_node(node), "-o", "%T|%E"],
+        timeout=TIMEOUT,
+        what="gpu: node state",
+        env=_env(),
+    )
+    line = out.splitlines()[0] if out.strip() else ""
+    if not line:
+        raise TfimageError(f"gpu: node {node} is not known to Slurm")
+    st, _, reason = line.partition("|")
+    return st.strip(), "" if reason.strip() == "none" else reason.strip()
+
+
+def is_ours(reason: str) -> bool:
+    return reason.startswith(PREFIX)
+
+
+def resume(node: str) -> None:
+    run(
+        ["scontrol", "update", f"NodeName={check_node(node)}", "State=RESUME"],
+        timeout=TIMEOUT,
+        what="gpu: resume",
+        env=_env(),
+    )

@@ -1,0 +1,133 @@
+"""The GPU gate: the prolog's check of a job's GPUs, its baseline, and the operator's
+``tfimage gpu check``.
+
+On a drain-class finding the prolog drains the node itself, with the finding as the
+reason (``tfimage: gpu3 GPU-...: row remapping pending (needs a reset)``), and raises
+:class:`NodeFault`: the one case in which a tfimage hook exits non-zero, so that
+Slurm requeues the job elsewhere.  Warnings and skipped checks are logged.
+
+The baseline (counters the epilog turns into the job's deltas) is kept where no
+job's user can reach it::
+
+    <state_dir>/gpu/               0700
+        xid-cursor.json            the XID cursors (xid.py)
+        jobs/<job>.json            {"GPU-...": {"energy_mj": ..., "ecc_sbe": ...}, ...}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tfimage.agent.config import Config
+from tfimage.agent.errors import NodeFault, TfimageError
+from tfimage.agent.fsutil import write_json
+from tfimage.agent.gpu import drain as slurm
+from tfimage.agent.gpu import xid
+from tfimage.agent.gpu.alloc import is_uuid
+from tfimage.agent.gpu.probe import NodeReading, Reading, probe
+from tfimage.agent.gpu.verdict import Verdict, judge
+from tfimage.agent.ids import valid_job_id
+
+BASELINE = ("energy_mj", "ecc_sbe", "ecc_dbe", "remapped", "retired_sbe", "retired_dbe")
+
+log = logging.getLogger("tfimage.gpu")
+
+
+@dataclass
+class Check:
+    node: NodeReading
+    gpus: list[Reading]  # the GPUs judged, in NVML's order
+    verdict: Verdict
+
+
+def _matches(r: Reading, token: str, mapping: str) -> bool:
+    if is_uuid(token):
+        return r.uuid == token or r.uuid.startswith(token)
+    n = int(token)
+    return r.minor == n if mapping == "minor" else r.index == n
+
+
+def check(cfg: Config, alloc: tuple[str, ...], *, expect_idle: bool, shared: bool = False) -> Check:
+    """Judge the allocated GPUs (every GPU with ``scope: node``, or with no allocation
+    given, as an operator's check does)."""
+    policy = cfg.gpu
+    everything = policy.scope == "node" or not alloc
+
+    def wanted(r: Reading) -> bool:
+        return everything or any(_matches(r, t, policy.mapping) for t in alloc)
+
+    node = probe(wanted)
+    gpus = [r for r in node.gpus if wanted(r)]
+    missing = [t for t in alloc if not any(_matches(r, t, policy.mapping) for r in node.gpus)]
+    xids: dict[str, list[xid.Xid]] = {}
+    if not node.init_error and policy.severity_of("xid") != "off":
+        buses = [b for b in (xid.key(r.pci) for r in gpus) if b]
+        try:
+            log_records = xid.read_xids(Path(policy.kmsg))
+            with xid.cursor(Path(cfg.state_dir)) as seqs:
+                xids = xid.new_xids(log_records, seqs, buses)
+        except OSError as e:  # no kernel log to read is no finding, but said
+            log.warning("gpu: XIDs not checked: %s: %s", policy.kmsg, e.strerror)
+    verdict = judge(node, gpus, missing, policy, expect_idle=expect_idle and not shared, xids=xids)
+    return Check(node, gpus, verdict)
+
+
+def _baseline_path(state_dir: str, job_id: str) -> Path:
+    if not valid_job_id(job_id):
+        raise ValueError(f"invalid job id {job_id!r}")
+    return Path(state_dir) / "gpu" / "jobs" / f"{job_id}.json"
+
+
+def save_baseline(state_dir: str, job_id: str, gpus: list[Reading]) -> Path:
+    doc: dict[str, dict[str, Any]] = {
+        r.uuid: {k: r.values[k] for k in BASELINE if k in r.values} for r in gpus if r.uuid
+    }
+    path = _baseline_path(state_dir, job_id)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_json(path, doc, mode=0o600)
+    return path
+
+
+def drop_baseline(state_dir: str, job_id: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        _baseline_path(state_dir, job_id).unlink()
+
+
+def prolog_gate(
+    cfg: Config, job_id: str, node_name: str, alloc: tuple[str, ...], *, shared: bool = False
+) -> Check:
+    """The prolog's check of the job's GPUs.  Drains the node and raises NodeFault on
+    a drain-class finding; otherwise saves the baseline and returns the check.
+    ``shared``: the job shares its GPUs (gres/mps), so other processes are legitimate."""
+    got = check(cfg, alloc, expect_idle=True, shared=shared)
+    for f in got.verdict.warnings:
+        log.warning("job %s: gpu: %s", job_id, f.reason())
+    skipped = [f for f in got.verdict.findings if f.severity == "skipped"]
+    if skipped:
+        log.info(
+            "job %s: gpu: %d check(s) skipped (not supported): %s",
+            job_id,
+            len(skipped),
+            ", ".join(sorted({f.check for f in skipped})),
+        )
+    drains = got.verdict.drains
+    if drains:
+        first = drains[0]
+        more = f" (and {len(drains) - 1} more)" if len(drains) > 1 else ""
+        try:
+            slurm.drain(node_name, first.reason())
+        except TfimageError as e:  # the non-zero exit still makes Slurm drain it
+            raise NodeFault(f"job {job_id}: {first.reason()}{more}; {e}") from None
+        raise NodeFault(f"job {job_id}: drained {node_name}: {first.reason()}{more}")
+    save_baseline(cfg.state_dir, job_id, got.gpus)
+    log.info(
+        "job %s: gpu: %d GPU(s) healthy in %.0f ms",
+        job_id,
+        len(got.gpus),
+        got.node.seconds * 1000,
+    )
+    return got

@@ -1,0 +1,99 @@
+"""Critical XIDs from the kernel log: matched to their GPU by PCI bus id, each
+reported once (a cursor per GPU), never swallowed by a check of other GPUs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from conftest import drains, gpu_check
+from gpus import FakeNvml, node
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tfimage.agent.gpu.xid import key, parse_record
+
+
+def _xid(seq: int, bus: int, number: int, text: str = "GPU has fallen off the bus.") -> str:
+    return f"4,{seq},{seq * 1000},-;NVRM: Xid (PCI:0000:{bus:02x}:00): {number}, pid=77, {text}\n"
+
+
+def test_xid_79_drains_its_gpu_once_and_a_new_one_drains_again(
+    nvml: FakeNvml, site: Callable[..., Path], tmp_path: Path
+) -> None:
+    nvml.write(node(2))  # gpu0 on bus 1b, gpu1 on bus 2b
+    kmsg = tmp_path / "kmsg"
+    kmsg.write_text(
+        "6,1,100,-;Linux version 6.1\n"
+        + _xid(2, 0x1B, 13, "Graphics Exception")  # the application's, never the node's
+        + "6,3,300,-;NVRM: Xid (PCI:zzzz): 79, not a bus\n"
+        + _xid(4, 0x2B, 79)
+        + " SUBSYSTEM=pci\n"
+    )
+    cfg = site()
+    status, out = gpu_check(nvml, cfg)
+    assert status == 2 and drains(out) == [("gpu1", "xid", "XID 79 in the kernel log")]
+    assert gpu_check(nvml, cfg)[0] == 0  # the same XID is not reported twice
+
+    with kmsg.open("a") as f:
+        f.write(_xid(5, 0x2B, 48, "DBE"))
+    status, out = gpu_check(nvml, cfg)
+    assert drains(out) == [("gpu1", "xid", "XID 48 in the kernel log")]
+    cursor = json.loads((tmp_path / "state/gpu/xid-cursor.json").read_text())
+    assert cursor["seq"] == {"0000:1b:00": 5, "0000:2b:00": 5}
+    assert (tmp_path / "state/gpu/xid-cursor.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_check_of_other_gpus_leaves_an_xid_for_its_own_gpus_check(
+    nvml: FakeNvml, site: Callable[..., Path], tmp_path: Path
+) -> None:
+    nvml.write(node(2))
+    (tmp_path / "kmsg").write_text(_xid(9, 0x2B, 79))
+    cfg = site()
+    assert gpu_check(nvml, cfg, "--gpus=0")[0] == 0  # another job's GPU
+    _status, out = gpu_check(nvml, cfg, "--gpus=1")
+    assert drains(out) == [("gpu1", "xid", "XID 79 in the kernel log")]
+
+
+def test_cursors_from_another_boot_are_forgotten(
+    nvml: FakeNvml, site: Callable[..., Path], tmp_path: Path
+) -> None:
+    nvml.write(node(2))
+    (tmp_path / "kmsg").write_text(_xid(3, 0x2B, 79))
+    cfg = site()
+    assert gpu_check(nvml, cfg)[0] == 2
+    assert gpu_check(nvml, cfg)[0] == 0
+    path = tmp_path / "state/gpu/xid-cursor.json"
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps({**doc, "boot": "an-earlier-boot"}))  # sequence numbers restarted
+    assert gpu_check(nvml, cfg)[0] == 2
+
+
+def test_a_site_list_without_an_xid_leaves_it_alone(
+    nvml: FakeNvml, site: Callable[..., Path], tmp_path: Path
+) -> None:
+    nvml.write(node(2))
+    (tmp_path / "kmsg").write_text(_xid(3, 0x2B, 79))
+    assert gpu_check(nvml, site(xids=[48]))[0] == 0
+
+
+def test_a_missing_kernel_log_is_said_and_is_no_finding(
+    nvml: FakeNvml, site: Callable[..., Path], tmp_path: Path
+) -> None:
+    nvml.write(node(1))
+    status, out = gpu_check(nvml, site(kmsg=str(tmp_path / "nowhere")))
+    assert status == 0 and out["findings"] == []
+
+
+def test_bus_ids_from_nvml_and_from_the_log_meet() -> None:
+    assert key("00000000:3B:00.0") == key("0000:3b:00") == "0000:3b:00"
+    assert key("0000:3b") == key("../../etc") == ""
+    got = parse_record(_xid(12, 0x3B, 79))
+    assert got is not None and (got.seq, got.pci, got.xid) == (12, "0000:3b:00", 79)
+
+
+@given(st.text(max_size=300))
+def test_no_log_line_breaks_the_parser(text: str) -> None:
+    got = parse_record(text)
+    assert got is None or (got.xid > 0 and key(got.pci) == got.pci)
