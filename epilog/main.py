@@ -17,6 +17,7 @@ from pathlib import Path
 from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.config import DEFAULT_PATH, load_config
 from tfimage.agent.errors import TfimageError
+from tfimage.agent.gpu.gate import drop_baseline
 from tfimage.agent.hooklog import LOG_FILE, guarded, hook_logger, log_to
 from tfimage.agent.ids import valid_job_id
 from tfimage.agent.step.imagemount import release_job
@@ -52,6 +53,7 @@ def _epilog(argv: Sequence[str] | None, log: logging.Logger) -> int:
     for part, run in (
         ("unmounting", lambda: stuck.extend(release_job(cfg.state_dir, job_id))),
         ("releasing its images", lambda: ImageCache(cfg).release(job_id)),
+        ("dropping its GPU baseline", lambda: drop_baseline(cfg.state_dir, job_id)),
     ):
         try:
             run()

@@ -1,9 +1,11 @@
-"""Prolog: pull the job's image into the node cache and mount it.
+"""Prolog: check the job's GPUs, then pull the job's image into the node cache.
 
 Exit status matters here: Slurm drains a node whose Prolog fails.  An image
 problem is never the node's fault, so it is logged and the prolog exits 0; the
 step that needs the image then fails with the reason on the user's stderr.  Every
-other exception too (hooklog.guarded): only a fault of the node may drain it.
+other exception too (hooklog.guarded): only a fault of the node may drain it.  That
+one is a GPU fault (agent/gpu/gate.py): the prolog drains the node with a
+``tfimage:`` reason and exits 1, and Slurm requeues the job elsewhere.
 
 Arguments come as ``--image=VALUE``, never ``--image VALUE``: the value is the
 job's (any user can submit a job with a control environment of their choosing
@@ -19,9 +21,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tfimage.agent.config import DEFAULT_PATH, load_config
+from tfimage.agent.config import DEFAULT_PATH, Config, load_config
 from tfimage.agent.deadline import deadline
-from tfimage.agent.errors import TfimageError
+from tfimage.agent.errors import InputError, TfimageError
+from tfimage.agent.gpu.alloc import parse_gpus
+from tfimage.agent.gpu.drain import check_node
+from tfimage.agent.gpu.gate import prolog_gate
 from tfimage.agent.hooklog import LOG_FILE, guarded, hook_logger, log_to
 from tfimage.agent.ids import valid_job_id
 from tfimage.agent.logtext import oneline
@@ -34,6 +39,18 @@ def _parser() -> argparse.ArgumentParser:
     # Given explicitly when run through the node daemon (tfimage-hook).
     p.add_argument("--job", default=os.environ.get("SLURM_JOB_ID", ""))
     p.add_argument("--image", default=os.environ.get("SPANK_TFIMAGE_IMAGE", ""))
+    # Slurm's, from the prolog's environment: the node, the job's GPUs (indices or
+    # UUIDs), and whether the job shares them through MPS.
+    p.add_argument("--node", default=os.environ.get("SLURMD_NODENAME", ""))
+    p.add_argument(
+        "--gpus",
+        default=os.environ.get("SLURM_JOB_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+    )
+    p.add_argument(
+        "--mps",
+        action="store_true",
+        default=bool(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")),
+    )
     return p
 
 
@@ -46,8 +63,8 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
     args = _parser().parse_args(argv)
     image = args.image
     job_id = args.job
-    if not image:
-        return 0  # not a tfimage job: nothing to do
+    if not image and not args.gpus:
+        return 0  # neither a tfimage job nor a GPU job: nothing to do
     if not valid_job_id(job_id):
         log.error("no valid SLURM_JOB_ID (%s); skipping", oneline(repr(job_id), 40))
         return 0
@@ -57,6 +74,10 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
         log_to(LOG_FILE, "prolog")  # no config to name another
         raise
     log_to(Path(cfg.hook_log), "prolog")
+    if args.gpus and cfg.gpu.checks and (image or cfg.gpu.all_jobs):
+        _gpu_gate(cfg, job_id, args, log)  # a GPU fault raises NodeFault: exit 1
+    if not image:
+        return 0
 
     try:
         with deadline(cfg.hook_deadline, "prolog"):
@@ -71,6 +92,17 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
     except Exception as e:  # recorded for the job's steps by prepare_job
         log.error("job %s: image %s: %s", job_id, oneline(image), _cause(e))
     return 0
+
+
+def _gpu_gate(cfg: Config, job_id: str, args: argparse.Namespace, log: logging.Logger) -> None:
+    try:
+        alloc = parse_gpus(args.gpus)
+        node = check_node(args.node)
+    except InputError as e:  # Slurm's own values: a bug or a new format, not a fault
+        log.error("job %s: gpu: not checked: %s", job_id, e)
+        return
+    if alloc:
+        prolog_gate(cfg, job_id, node, alloc, shared=args.mps)
 
 
 def _cause(e: BaseException) -> str:

@@ -186,10 +186,10 @@ def ask_daemon(path: Path, *args: str, timeout: float = 20) -> tuple[int, str, b
 
 @contextlib.contextmanager
 def started_daemon(
-    tmp_path: Path, config: str
+    tmp_path: Path, config: str, env: dict[str, str] | None = None
 ) -> Iterator[tuple[Path, Path, subprocess.Popen[bytes]]]:
-    """A daemon on a config (``{run}``: its state dir); yields its run dir, the config
-    and the process."""
+    """A daemon on a config (``{run}``: its state dir), in ``env`` (default: ours);
+    yields its run dir, the config and the process."""
     # Under /run, not pytest's 0700 tmp: another uid must be able to reach the socket.
     run = Path(f"/run/tfimage-test-{os.getpid()}-{tmp_path.name}")
     run.mkdir()
@@ -200,6 +200,7 @@ def started_daemon(
     p = subprocess.Popen(
         [sys.executable, "-m", "tfimage.main", "--config", str(cfg), "daemon"],
         stderr=log.open("w"),
+        env=env,
     )
     for _ in range(100):
         if "pinning on" in log.read_text():

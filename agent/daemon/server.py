@@ -279,8 +279,13 @@ def serve(
     import tfimage.agent.step.taskenv
     import tfimage.agent.submit.pin  # noqa: F401
 
+    # Root's own SLURM_CONF (the service's, never a job's) stays: the prolog's GPU gate
+    # drains through scontrol, which needs it where slurm.conf is not in its default place.
+    conf = os.environ.get("SLURM_CONF", "")
     os.environ.clear()
     os.environ.update(_ENV)
+    if conf.startswith("/"):
+        os.environ["SLURM_CONF"] = conf
     listeners = {_bind(path): "root"}
     if pin_path is not None:
         listeners[_bind(pin_path, 0o666)] = "pin"

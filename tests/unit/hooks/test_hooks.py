@@ -26,6 +26,8 @@ from pathlib import Path
 
 import jinja2
 import pytest
+from gpus import FakeNvml, build_fake_nvml
+from gpus import node as gpus_node
 from hostile import Server
 
 from support import Registry, ask_daemon, started_daemon
@@ -131,6 +133,54 @@ def test_the_roles_prolog_never_fails_for_a_hostile_image_value(
         r = run()
     assert r.returncode == 0, r.stderr
     assert "invalid image reference '-x'" in r.stderr
+
+
+@pytest.mark.parametrize("through", ["the program", "tfimage-hook and the daemon"])
+def test_the_roles_prolog_exits_non_zero_for_a_gpu_fault_and_only_for_that(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, hook_binary: Path, through: str
+) -> None:
+    daemon = through != "the program"
+    (tmp_path / "node").mkdir()
+    (tmp_path / "kmsg").touch()
+    cfg = _site(tmp_path, gpu={"kmsg": str(tmp_path / "kmsg")})
+    script = _render("prolog.j2", tmp_path, hook_binary, daemon)
+    lib = build_fake_nvml(tmp_path_factory.mktemp("nvml"))
+    nvml = FakeNvml(lib, lib / "state.json")  # the daemon clears FAKE_NVML_STATE
+    # slurmd's environment for a GPU job without --tf-image; SLURM_CONF: scontrol fails at once
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "SLURM_JOB_ID": "9",
+        "SLURMD_NODENAME": "n1",
+        "SLURM_JOB_GPUS": "1",
+        "SLURM_CONF": "/dev/null",
+        "LD_LIBRARY_PATH": str(nvml.lib_dir),
+        "FAKE_NVML_STATE": str(nvml.state),
+    }
+
+    def run() -> list[int]:
+        codes = []
+        for state in (gpus_node(2), gpus_node(2, init="DRIVER_NOT_LOADED")):
+            nvml.write(state)
+            r = subprocess.run(
+                ["/bin/sh", str(script)], env=env, capture_output=True, text=True, timeout=120
+            )
+            codes.append(r.returncode)
+        return codes
+
+    if daemon:  # the daemon's workers read NVML: the daemon has the node's environment
+        conf_text = cfg.read_text().replace(str(tmp_path / "state"), "{run}")
+        with started_daemon(tmp_path / "node", conf_text, env={**os.environ, **env}) as (rd, _, _):
+            (tmp_path / "run").symlink_to(rd)
+            codes = run()
+        log = (tmp_path / "node" / "daemon.log").read_text()
+        assert "tfimage-prolog job 9 -> 0" in log and "tfimage-prolog job 9 -> 1" in log
+    else:
+        codes = run()
+    assert codes == [0, 1]
+    assert any(
+        "tfimage: nvml: NVML does not initialise: Driver Not Loaded" in line
+        for line in _log(tmp_path)
+    )
 
 
 @contextlib.contextmanager
