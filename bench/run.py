@@ -1,6 +1,9 @@
 """tfimage benchmarks: one command, ratios against baselines measured in the same run.
 
-    python bench/run.py [all|launch|pull] [--runs N]
+    python bench/run.py [all|launch|pull|gpu] [--runs N]
+
+- gpu: see bench/gpu.py (the GPU gate on 8 fake GPUs, in process and as the
+  prolog, against the same NVML reads bare).  Needs no cluster.
 
 - pull: see bench/pull.py (verified pull against curl and oras-py, 16 at once,
   warm hits, cache ls over 10,000 entries).
@@ -67,9 +70,15 @@ def timed(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("what", nargs="?", choices=("all", "launch", "pull"), default="all")
+    ap.add_argument("what", nargs="?", choices=("all", "launch", "pull", "gpu"), default="all")
     ap.add_argument("--runs", type=int, default=0, help="runs per measurement")
     args = ap.parse_args()
+    if args.what in ("all", "gpu"):
+        import gpu
+
+        gpu.main(args.runs or 15)
+    if args.what == "gpu":
+        return
     env = cluster_env()
     if args.what in ("all", "pull"):
         import pull
