@@ -15,6 +15,7 @@ Unknown keys are errors, as in the rest of the config.
       xids: [48, 62, 64, 74, 79, 92, 95, 119, 120, 140]
       kmsg: /dev/kmsg
       severity: {persistence: "off"}   # any check: drain, warning or off
+      nvccli: false         # apptainer: --nv --nvccli (nvidia-container-cli sets up the GPUs)
 """
 
 from __future__ import annotations
@@ -82,12 +83,16 @@ class GpuPolicy:
     # The kernel log, read with a cursor per GPU (a test points it at a fixture).
     kmsg: str = "/dev/kmsg"
     severity: dict[str, str] = field(default_factory=dict)
+    # Apptainer's --nvccli: nvidia-container-cli, not Apptainer's own list of files,
+    # puts the driver into the container (Apptainer's GPU guide: where the site has
+    # libnvidia-container installed).
+    nvccli: bool = False
 
     def severity_of(self, check: str) -> str:
         return self.severity.get(check, CHECKS[check])
 
 
-_BOOLS = {"checks", "all_jobs", "shared"}
+_BOOLS = {"checks", "all_jobs", "shared", "nvccli"}
 _COUNTS = {"retired_pages_max", "retired_pages_dbe_max", "remapped_rows_max"}
 
 

@@ -136,7 +136,7 @@ def prepare_job(
     bytes the prolog fetched without asking the registry again; a failure is
     remembered too, and the job's steps report it at once instead of trying again.
     """
-    runtime = runtime_for(cfg.runtime, cfg.runtime_path)
+    runtime = runtime_for(cfg.runtime, cfg.runtime_path, nvccli=cfg.gpu.nvccli)
     return _ready(cfg, job_id, image, runtime, cache, prolog=True)[0]
 
 
@@ -155,7 +155,7 @@ def plan_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) ->
     env = step_env(cfg, req)  # layout errors first: they are the user's to fix
     asked = parse_user_binds(req.tf_mount, cfg.bind_prefixes, cfg.default_binds)
     user_binds = _resolved(cfg, req.uid, asked)
-    runtime = runtime_for(cfg.runtime, cfg.runtime_path)
+    runtime = runtime_for(cfg.runtime, cfg.runtime_path, nvccli=cfg.gpu.nvccli)
     argv = _step_argv(cfg, req, runtime, user_binds, cache)
     if runtime.name == "charliecloud":
         # ch-run refuses to start without $USER; a job started without one gets it.

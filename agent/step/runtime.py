@@ -84,14 +84,17 @@ class Apptainer:
     needs_mount = False
     required_dirs: tuple[str, ...] = ()
 
-    def __init__(self, name: str = "apptainer", exe: str | None = None) -> None:
+    def __init__(
+        self, name: str = "apptainer", exe: str | None = None, nvccli: bool = False
+    ) -> None:
         self.name = name
         self.exe = _find(name, exe)
+        self.nvccli = nvccli
 
     def prefix(self, sif: Path, spec: StepSpec) -> list[str]:
         argv = [self.exe, "exec"]
         if spec.gpus:
-            argv.append("--nv")
+            argv += ["--nv", "--nvccli"] if self.nvccli else ["--nv"]
         for b in spec.binds:
             argv += ["-B", f"{b.src}:{b.dst}:{'ro' if b.read_only else 'rw'}"]
         if spec.workdir:
@@ -102,9 +105,9 @@ class Apptainer:
 Runtime = Charliecloud | Apptainer
 
 
-def runtime_for(name: str, exe: str | None = None) -> Runtime:
+def runtime_for(name: str, exe: str | None = None, *, nvccli: bool = False) -> Runtime:
     if name == "charliecloud":
         return Charliecloud(exe)
     if name in ("apptainer", "singularity"):
-        return Apptainer(name, exe)
+        return Apptainer(name, exe, nvccli)
     raise RuntimeSetupError(f"unknown runtime {name!r}")

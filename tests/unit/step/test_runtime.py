@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tfimage.agent.step.runtime import Apptainer, Bind, Charliecloud, StepSpec
+from tfimage.agent.config import config_from_mapping
+from tfimage.agent.step.runtime import Apptainer, Bind, Charliecloud, StepSpec, runtime_for
 
 SPEC = StepSpec(
     workdir="/home/u/proj",
@@ -66,6 +67,20 @@ def test_apptainer_argv_no_cleanenv_nv_only_with_gpus() -> None:
     assert "--cleanenv" not in argv and "-e" not in argv
     gpu = StepSpec(workdir=None, home=None, gpus=True)
     assert a.prefix(Path("/c/img.sif"), gpu) == ["/usr/bin/apptainer", "exec", "--nv", "/c/img.sif"]
+
+
+def test_apptainer_asks_nvidia_container_cli_for_the_gpus_where_the_site_says_so() -> None:
+    nvccli = config_from_mapping({"gpu": {"nvccli": True}}).gpu.nvccli
+    a = runtime_for("apptainer", "/usr/bin/apptainer", nvccli=nvccli)
+    gpu = StepSpec(workdir=None, home=None, gpus=True)
+    assert a.prefix(Path("/c/i.sif"), gpu) == [
+        "/usr/bin/apptainer",
+        "exec",
+        "--nv",
+        "--nvccli",
+        "/c/i.sif",
+    ]
+    assert "--nvccli" not in a.prefix(Path("/c/i.sif"), StepSpec(workdir=None, home=None))
 
 
 def test_apptainer_runs_a_real_sif_where_installed(
