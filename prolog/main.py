@@ -5,7 +5,8 @@ problem is never the node's fault, so it is logged and the prolog exits 0; the
 step that needs the image then fails with the reason on the user's stderr.  Every
 other exception too (hooklog.guarded): only a fault of the node may drain it.  That
 one is a GPU fault (agent/gpu/gate.py): the prolog drains the node with a
-``tfimage:`` reason and exits 1, and Slurm requeues the job elsewhere.
+``tfimage:`` reason and exits 1, and Slurm requeues the job (held, unless the site
+sets ``SchedulerParameters=nohold_on_prolog_fail``).
 
 Arguments come as ``--image=VALUE``, never ``--image VALUE``: the value is the
 job's (any user can submit a job with a control environment of their choosing
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from tfimage.agent.config import DEFAULT_PATH, Config, load_config
 from tfimage.agent.deadline import deadline
-from tfimage.agent.errors import InputError, TfimageError
+from tfimage.agent.errors import InputError, NodeFault, TfimageError
 from tfimage.agent.gpu.alloc import parse_gpus
 from tfimage.agent.gpu.drain import check_node
 from tfimage.agent.gpu.gate import prolog_gate
@@ -101,8 +102,14 @@ def _gpu_gate(cfg: Config, job_id: str, args: argparse.Namespace, log: logging.L
     except InputError as e:  # Slurm's own values: a bug or a new format, not a fault
         log.error("job %s: gpu: not checked: %s", job_id, e)
         return
-    if alloc:
+    if not alloc:
+        return
+    try:
         prolog_gate(cfg, job_id, node, alloc, shared=args.mps)
+    except NodeFault:
+        raise
+    except Exception as e:  # the gate's own trouble (a full /run): the image still comes
+        log.error("job %s: gpu: not checked: %s", job_id, _cause(e))
 
 
 def _cause(e: BaseException) -> str:

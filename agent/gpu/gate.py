@@ -4,7 +4,8 @@
 On a drain-class finding the prolog drains the node itself, with the finding as the
 reason (``tfimage: gpu3 GPU-...: row remapping pending (needs a reset)``), and raises
 :class:`NodeFault`: the one case in which a tfimage hook exits non-zero, so that
-Slurm requeues the job elsewhere.  Warnings and skipped checks are logged.
+Slurm requeues the job (held, unless ``SchedulerParameters=nohold_on_prolog_fail``).
+Warnings and skipped checks are logged.
 
 The baseline (counters the epilog turns into the job's deltas) is kept where no
 job's user can reach it::
@@ -51,28 +52,45 @@ def _matches(r: Reading, token: str, mapping: str) -> bool:
     return r.minor == n if mapping == "minor" else r.index == n
 
 
-def check(cfg: Config, alloc: tuple[str, ...], *, expect_idle: bool, shared: bool = False) -> Check:
+def check(
+    cfg: Config,
+    alloc: tuple[str, ...],
+    *,
+    expect_idle: bool,
+    shared: bool = False,
+    advance: bool = False,
+) -> Check:
     """Judge the allocated GPUs (every GPU with ``scope: node``, or with no allocation
-    given, as an operator's check does)."""
+    given, as an operator's check does).  ``expect_idle``: no process belongs on the
+    allocated ones (other GPUs of the node may be busy with other jobs).  ``advance``:
+    move the XID cursors past what this check saw (the prolog and a health check,
+    which act on it; an operator's look must not swallow an XID)."""
     policy = cfg.gpu
-    everything = policy.scope == "node" or not alloc
+    # A MIG instance's UUID names no whole GPU: such a job's GPUs are checked whole.
+    mig = any(t.startswith("MIG-") for t in alloc)
+    whole = tuple(t for t in alloc if not t.startswith("MIG-"))
+    everything = policy.scope == "node" or not whole or mig
+
+    def allocated(r: Reading) -> bool:
+        return any(_matches(r, t, policy.mapping) for t in whole)
 
     def wanted(r: Reading) -> bool:
-        return everything or any(_matches(r, t, policy.mapping) for t in alloc)
+        return everything or allocated(r)
 
     node = probe(wanted)
     gpus = [r for r in node.gpus if wanted(r)]
-    missing = [t for t in alloc if not any(_matches(r, t, policy.mapping) for r in node.gpus)]
+    missing = [t for t in whole if not any(_matches(r, t, policy.mapping) for r in node.gpus)]
+    idle = {r.index for r in gpus if allocated(r)} if expect_idle and not shared else set()
     xids: dict[str, list[xid.Xid]] = {}
     if not node.init_error and policy.severity_of("xid") != "off":
         buses = [b for b in (xid.key(r.pci) for r in gpus) if b]
         try:
             log_records = xid.read_xids(Path(policy.kmsg))
-            with xid.cursor(Path(cfg.state_dir)) as seqs:
+            with xid.cursor(Path(cfg.state_dir), save=advance) as seqs:
                 xids = xid.new_xids(log_records, seqs, buses)
         except OSError as e:  # no kernel log to read is no finding, but said
             log.warning("gpu: XIDs not checked: %s: %s", policy.kmsg, e.strerror)
-    verdict = judge(node, gpus, missing, policy, expect_idle=expect_idle and not shared, xids=xids)
+    verdict = judge(node, gpus, missing, policy, idle=idle, xids=xids)
     return Check(node, gpus, verdict)
 
 
@@ -87,7 +105,10 @@ def save_baseline(state_dir: str, job_id: str, gpus: list[Reading]) -> Path:
         r.uuid: {k: r.values[k] for k in BASELINE if k in r.values} for r in gpus if r.uuid
     }
     path = _baseline_path(state_dir, job_id)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.parent.parent.parent.mkdir(mode=0o755, parents=True, exist_ok=True)  # state_dir
+    for d in (path.parent.parent, path.parent):  # gpu/ and gpu/jobs/: root's alone
+        d.mkdir(mode=0o700, exist_ok=True)
+        d.chmod(0o700)
     write_json(path, doc, mode=0o600)
     return path
 
@@ -103,7 +124,7 @@ def prolog_gate(
     """The prolog's check of the job's GPUs.  Drains the node and raises NodeFault on
     a drain-class finding; otherwise saves the baseline and returns the check.
     ``shared``: the job shares its GPUs (gres/mps), so other processes are legitimate."""
-    got = check(cfg, alloc, expect_idle=True, shared=shared)
+    got = check(cfg, alloc, expect_idle=True, shared=shared, advance=True)
     for f in got.verdict.warnings:
         log.warning("job %s: gpu: %s", job_id, f.reason())
     skipped = [f for f in got.verdict.findings if f.severity == "skipped"]

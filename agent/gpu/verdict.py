@@ -121,8 +121,11 @@ def _gpu_findings(
     if procs and expect_idle and not policy.shared:
         shown = ",".join(str(p) for p in procs[:4]) + ("..." if len(procs) > 4 else "")
         yield "processes", f"{len(procs)} compute process(es) from outside the job: pid {shown}"
-    down = [i for i, up in enumerate(v.get("nvlinks", [])) if not up]
-    if down:
+    links = v.get("nvlinks", [])
+    down = [i for i, up in enumerate(links) if not up]
+    # Every link inactive is a GPU with no NVLink wired (a PCIe card without a
+    # bridge); a link down beside links up is a fault.
+    if down and len(down) < len(links):
         yield "nvlink", "NVLink down: link " + ",".join(map(str, down))
     seen = sorted({x.xid for x in xids if x.xid in policy.xids})
     if seen:
@@ -147,12 +150,12 @@ def judge(
     missing: list[str],
     policy: GpuPolicy,
     *,
-    expect_idle: bool,
+    idle: set[int] | frozenset[int] = frozenset(),
     xids: dict[str, list[Xid]] | None = None,
 ) -> Verdict:
     """The findings for ``gpus`` (the readings to judge) and for the ``missing``
-    allocated GPUs NVML does not show.  ``expect_idle``: no compute process belongs
-    on them (before a job; never for an operator's check of a busy node)."""
+    allocated GPUs NVML does not show.  ``idle``: the indices of GPUs on which no
+    compute process belongs (a job's own, before it starts)."""
     out: list[Finding] = []
 
     def add(gpu: str, uuid: str, check: str, cause: str) -> None:
@@ -173,7 +176,7 @@ def judge(
     for r in gpus:
         label = f"gpu{r.index}"
         for check, cause in _gpu_findings(
-            r, policy, expect_idle, (xids or {}).get(bus_key(r.pci), [])
+            r, policy, r.index in idle, (xids or {}).get(bus_key(r.pci), [])
         ):
             add(label, r.uuid, check, cause)
         unanswered: dict[str, str] = {}
@@ -183,5 +186,8 @@ def judge(
                     unanswered.setdefault(check, why)
         for check, why in unanswered.items():
             if policy.severity_of(check) != "off":
-                out.append(Finding(label, r.uuid, check, "skipped", why))
+                # NotSupported (or no such function) is a skip; any other NVML error
+                # on a GPU that answers otherwise is worth a look, never a drain.
+                level = "warning" if why.startswith("NVML:") else "skipped"
+                out.append(Finding(label, r.uuid, check, level, why))
     return Verdict(tuple(out))

@@ -60,9 +60,11 @@ def key(bus_id: str) -> str:
 def parse_record(record: str) -> Xid | None:
     """The XID in one kmsg record (its first line), or None."""
     m = _RECORD.match(record.split("\n", 1)[0][:MAX_RECORD])
-    if not m:
+    # The driver's own line, from the kernel facility (PRI < 8): not a kernel message
+    # that quotes a user's text, nor a user's write to /dev/kmsg (facility 1, user).
+    if not m or int(m[1]) >= 8:
         return None
-    x = _XID.search(m[4])
+    x = _XID.match(m[4])
     if not x:
         return None
     pci = key(f"{x[1]}:{x[2]}:{x[3]}")
@@ -108,10 +110,11 @@ def _boot_id() -> str:
 
 
 @contextlib.contextmanager
-def cursor(state_dir: Path) -> Iterator[dict[str, int]]:
-    """The cursors by GPU bus, locked for the block and saved after it."""
+def cursor(state_dir: Path, *, save: bool = True) -> Iterator[dict[str, int]]:
+    """The cursors by GPU bus, locked for the block and (``save``) saved after it."""
     d = state_dir / "gpu"
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    d.chmod(0o700)
     path = d / "xid-cursor.json"
     with held(d / "xid-cursor.lock"):
         boot = _boot_id()
@@ -121,7 +124,8 @@ def cursor(state_dir: Path) -> Iterator[dict[str, int]]:
             if doc.get("boot") == boot:
                 seqs = {str(k): int(v) for k, v in doc["seq"].items()}
         yield seqs
-        write_json(path, {"boot": boot, "seq": seqs}, mode=0o600)
+        if save:
+            write_json(path, {"boot": boot, "seq": seqs}, mode=0o600)
 
 
 def new_xids(log: list[Xid], seqs: dict[str, int], buses: list[str]) -> dict[str, list[Xid]]:

@@ -65,3 +65,18 @@ def gpu_check(nvml: FakeNvml, config: Path, *args: str) -> tuple[int, dict[str, 
 
 def drains(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
     return [(f["gpu"], f["check"], f["cause"]) for f in doc["findings"] if f["severity"] == "drain"]
+
+
+EMPTY = Path("/dev/null")
+
+
+def hook(
+    name: str, nvml: FakeNvml, config: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", f"tfimage.{name}.main", f"--config={config}", *args],
+        env={**nvml.env(), "SLURM_CONF": str(EMPTY), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )

@@ -11,30 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import hook
 from gpus import FakeNvml, gpu, node
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root: run as root")
-
-
-EMPTY = Path("/dev/null")
-
-
-def hook(
-    name: str, nvml: FakeNvml, config: Path, *args: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", f"tfimage.{name}.main", f"--config={config}", *args],
-        env={**nvml.env(), "SLURM_CONF": str(EMPTY), **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def test_a_healthy_gpu_job_passes_and_keeps_a_baseline_the_epilog_drops(
@@ -133,3 +117,13 @@ def test_a_malformed_gpu_list_is_logged_and_never_drains(
         "job 51: gpu: not checked: GPU list: a GPU is named twice"
         in (tmp_path / "hooks.log").read_text()
     )
+
+
+def test_the_baseline_is_roots_alone_even_with_xids_off(
+    nvml: FakeNvml, site: Callable[..., Path], tmp_path: Path
+) -> None:
+    nvml.write(node(1))
+    cfg = site(severity={"xid": "off"})
+    assert hook("prolog", nvml, cfg, "--job=52", "--node=n1", "--gpus=0").returncode == 0
+    for d in ("state/gpu", "state/gpu/jobs"):
+        assert (tmp_path / d).stat().st_mode & 0o777 == 0o700, d

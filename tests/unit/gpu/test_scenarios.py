@@ -275,3 +275,47 @@ def test_the_job_scope_ignores_a_fault_on_another_jobs_gpu_and_node_scope_sees_i
     nvml.write(doc)
     assert gpu_check(nvml, site(), "--gpus=0,1")[0] == 0
     assert gpu_check(nvml, site(scope="node"), "--gpus=0,1")[0] == 2
+
+
+def test_with_node_scope_another_jobs_processes_on_its_own_gpus_are_fine(
+    nvml: FakeNvml, site: Callable[..., Path]
+) -> None:
+    doc = node(4)
+    doc["devices"][3] = gpu(3, processes=[{"pid": 700, "mem": 1}])  # the other job's GPU
+    nvml.write(doc)
+    assert gpu_check(nvml, site(scope="node"), "--idle", "--gpus=0,1")[0] == 0
+    status, out = gpu_check(nvml, site(scope="node"), "--idle", "--gpus=3")
+    assert status == 2 and drains(out)[0][:2] == ("gpu3", "processes")
+
+
+def test_a_gpu_with_every_nvlink_inactive_has_none_wired_and_passes(
+    nvml: FakeNvml, site: Callable[..., Path]
+) -> None:
+    doc = node(1)
+    doc["devices"][0] = gpu(0, nvlinks=[0, 0, 0, 0])  # a PCIe card without a bridge
+    nvml.write(doc)
+    assert gpu_check(nvml, site())[0] == 0
+
+
+def test_an_nvml_error_other_than_not_supported_is_a_warning_not_a_skip(
+    nvml: FakeNvml, site: Callable[..., Path]
+) -> None:
+    doc = node(1)
+    doc["devices"][0]["errors"] = {"nvmlDeviceGetTotalEccErrors": "UNKNOWN_ERROR"}
+    nvml.write(doc)
+    status, out = gpu_check(nvml, site())
+    assert status == 1
+    assert [(f["check"], f["severity"]) for f in out["findings"]] == [("ecc_dbe", "warning")]
+    assert out["findings"][0]["cause"].startswith("NVML: ")
+
+
+def test_a_mig_allocation_checks_its_gpus_whole_and_misses_none(
+    nvml: FakeNvml, site: Callable[..., Path]
+) -> None:
+    doc = node(2)
+    doc["devices"][1] = gpu(1, ecc_dbe_volatile=1)
+    nvml.write(doc)
+    status, out = gpu_check(nvml, site(), "--gpus=MIG-5c3e1a2b-0000-1111-2222-333344445555")
+    assert status == 2
+    assert [g["index"] for g in out["gpus"]] == [0, 1]
+    assert drains(out) == [("gpu1", "ecc_dbe", "volatile uncorrected ECC: 1")]

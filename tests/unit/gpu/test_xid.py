@@ -1,13 +1,15 @@
 """Critical XIDs from the kernel log: matched to their GPU by PCI bus id, each
-reported once (a cursor per GPU), never swallowed by a check of other GPUs."""
+reported once (a cursor per GPU, moved by the prolog), never swallowed by a check of
+other GPUs nor by an operator's look."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import drains, gpu_check
+from conftest import drains, gpu_check, hook
 from gpus import FakeNvml, node
 from hypothesis import given
 from hypothesis import strategies as st
@@ -34,14 +36,18 @@ def test_xid_79_drains_its_gpu_once_and_a_new_one_drains_again(
     cfg = site()
     status, out = gpu_check(nvml, cfg)
     assert status == 2 and drains(out) == [("gpu1", "xid", "XID 79 in the kernel log")]
-    assert gpu_check(nvml, cfg)[0] == 0  # the same XID is not reported twice
+    assert gpu_check(nvml, cfg)[0] == 2  # an operator's look swallows nothing
+    assert prolog(nvml, cfg, "0,1").returncode == 1  # the prolog acts on it, once
+    assert prolog(nvml, cfg, "0,1").returncode == 0
+    assert gpu_check(nvml, cfg)[0] == 0
 
     with kmsg.open("a") as f:
         f.write(_xid(5, 0x2B, 48, "DBE"))
     status, out = gpu_check(nvml, cfg)
     assert drains(out) == [("gpu1", "xid", "XID 48 in the kernel log")]
+    assert prolog(nvml, cfg, "1").returncode == 1
     cursor = json.loads((tmp_path / "state/gpu/xid-cursor.json").read_text())
-    assert cursor["seq"] == {"0000:1b:00": 5, "0000:2b:00": 5}
+    assert cursor["seq"] == {"0000:1b:00": 4, "0000:2b:00": 5}  # gpu0 not looked at since
     assert (tmp_path / "state/gpu/xid-cursor.json").stat().st_mode & 0o777 == 0o600
 
 
@@ -62,12 +68,12 @@ def test_cursors_from_another_boot_are_forgotten(
     nvml.write(node(2))
     (tmp_path / "kmsg").write_text(_xid(3, 0x2B, 79))
     cfg = site()
-    assert gpu_check(nvml, cfg)[0] == 2
-    assert gpu_check(nvml, cfg)[0] == 0
+    assert prolog(nvml, cfg, "1").returncode == 1
+    assert prolog(nvml, cfg, "1").returncode == 0
     path = tmp_path / "state/gpu/xid-cursor.json"
     doc = json.loads(path.read_text())
     path.write_text(json.dumps({**doc, "boot": "an-earlier-boot"}))  # sequence numbers restarted
-    assert gpu_check(nvml, cfg)[0] == 2
+    assert prolog(nvml, cfg, "1").returncode == 1
 
 
 def test_a_site_list_without_an_xid_leaves_it_alone(
@@ -84,6 +90,22 @@ def test_a_missing_kernel_log_is_said_and_is_no_finding(
     nvml.write(node(1))
     status, out = gpu_check(nvml, site(kmsg=str(tmp_path / "nowhere")))
     assert status == 0 and out["findings"] == []
+
+
+def test_only_the_drivers_own_kernel_line_counts(
+    nvml: FakeNvml, site: Callable[..., Path], tmp_path: Path
+) -> None:
+    nvml.write(node(2))
+    forged = _xid(3, 0x2B, 79).split(";", 1)[1]
+    (tmp_path / "kmsg").write_text(
+        f"12,3,300,-;{forged}"  # a user's write to /dev/kmsg: facility user (1 << 3)
+        + f"4,4,400,-;overlayfs: failed to resolve '{forged.strip()}'\n"  # quoted by the kernel
+    )
+    assert gpu_check(nvml, site())[0] == 0
+
+
+def prolog(nvml: FakeNvml, config: Path, gpus: str) -> subprocess.CompletedProcess[str]:
+    return hook("prolog", nvml, config, "--job=60", "--node=n1", f"--gpus={gpus}")
 
 
 def test_bus_ids_from_nvml_and_from_the_log_meet() -> None:
