@@ -76,6 +76,11 @@ LAYOUT_VARS = (
     "SLURM_STEP_NODELIST",
     "SLURM_STEP_TASKS_PER_NODE",
     "SLURM_STEP_RESV_PORTS",
+    # fractional GPUs (step/gpushare.py): the step's GPUs, its MPS share, --mem-per-gpu
+    "SLURM_STEP_GPUS",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+    "SLURM_MEM_PER_GPU",
 )
 
 

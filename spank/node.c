@@ -126,7 +126,9 @@ static int prepare(void)
 {
 	static const char *const layout[] = TFI_LAYOUTS;
 	char err[512];
-	char *hargv[48], *out = NULL, *own[16] = { NULL };
+	/* 4 fixed words, 6 ids, workdir, script, mounts, --gpus, a --layout per
+	 * TFI_LAYOUTS entry (9), NULL: 24; room to spare. */
+	char *hargv[48], *out = NULL, *own[32] = { NULL };
 	size_t len = 0;
 	int h = 0, o = 0, rc = -1;
 

@@ -63,11 +63,12 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
+    from tfimage.agent.step.gpushare import LIMIT as MPS_LIMIT
     from tfimage.agent.step.taskenv import task_env
 
     cfg = _config(args)
     # Recompute from the step alone, then compare with what this task really has.
-    ours = {"TF_CONFIG", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", *cfg.site_env}
+    ours = {"TF_CONFIG", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", MPS_LIMIT, *cfg.site_env}
     base = {k: v for k, v in os.environ.items() if k not in ours}
     te = task_env(
         base,

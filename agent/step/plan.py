@@ -25,21 +25,11 @@ from tfimage.agent.errors import (
 from tfimage.agent.logtext import oneline
 from tfimage.agent.step import imagemount
 from tfimage.agent.step.binds import parse_site_binds, parse_user_binds, under
+from tfimage.agent.step.gpushare import LIMIT, mps_memory_limit
 from tfimage.agent.step.jobrecord import JobRecord
 from tfimage.agent.step.runtime import Bind, Runtime, StepSpec, runtime_for
 from tfimage.agent.step.taskenv import step_task_envs
 from tfimage.agent.step.userpath import realpaths_as
-
-# The only step variables the plugin passes in; everything else is ignored.
-LAYOUT_VARS = frozenset(
-    {
-        "SLURM_JOB_ID",
-        "SLURM_STEP_ID",
-        "SLURM_STEP_NODELIST",
-        "SLURM_STEP_TASKS_PER_NODE",
-        "SLURM_STEP_RESV_PORTS",
-    }
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +65,9 @@ def step_env(cfg: Config, req: StepRequest) -> dict[int, dict[str, str]]:
     if not 0 <= req.local_tasks <= cfg.step_max_tasks:
         raise StepLayoutError(f"{req.local_tasks} local tasks: more than step_max_tasks")
     if "SLURM_STEP_NODELIST" not in req.layout:
-        return {i: dict(cfg.site_env) for i in range(max(1, req.local_tasks))}
+        share = mps_memory_limit(req.layout)
+        extra = {LIMIT: share[0]} if share else {}
+        return {i: {**cfg.site_env, **extra} for i in range(max(1, req.local_tasks))}
     return step_task_envs(
         req.layout,
         req.node_id,

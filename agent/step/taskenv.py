@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tfimage.agent.errors import StepLayoutError
+from tfimage.agent.step.gpushare import LIMIT, mps_memory_limit
 from tfimage.agent.step.hostlist import MAX_HOSTS, expand_counts, expand_hostlist, expand_ports
 
 
@@ -235,6 +236,9 @@ def task_env(
     hcas = ib_hcas(ib_sysfs)
     if hcas:
         out.offer(env, "NCCL_IB_HCA", hcas, f"the active InfiniBand ports in {ib_sysfs}")
+    share = mps_memory_limit(env)
+    if share:
+        out.offer(env, LIMIT, *share)
     for name, value in (site_env or {}).items():
         out.offer(env, name, value, "site default from the tfimage config")
     return out
