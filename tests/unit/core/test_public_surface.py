@@ -35,5 +35,6 @@ def test_importing_it_loads_no_subpackage_and_no_heavy_library() -> None:
     assert loaded == [
         "tfimage.agent.config",
         "tfimage.agent.errors",
+        "tfimage.agent.gpuconfig",  # the config's gpu: section: pure, no pynvml
         "tfimage.agent.reference",
     ]
