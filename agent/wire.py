@@ -39,8 +39,11 @@ it against the parsers here, both ways.
 
 5. **Node hooks** through ``tfimage-hook`` (``spank/hook.c``) to the root socket::
 
-       tfimage-prolog --config=PATH --job=N --image=REF
+       tfimage-prolog --config=PATH --job=N --image=REF --node=NAME --gpus=LIST --mps=PCT
        tfimage-epilog --config=PATH --job=N
+
+   (:data:`HOOK_FLAGS`.)  ``--gpus`` and ``--mps`` are Slurm's ``SLURM_JOB_GPUS`` (else
+   ``CUDA_VISIBLE_DEVICES``) and ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, empty for none.
 
    ``tfimage-hook SOCKET DEADLINE PROGRAM ARGS...`` waits ``DEADLINE`` +
    :data:`HOOK_GRACE` seconds, and runs ``PROGRAM`` itself only when no daemon
@@ -66,6 +69,11 @@ HOOK_GRACE = 30
 STEP_PREPARE = "step-prepare"
 SUBMIT_CHECK = "submit-check"
 HOOKS = ("tfimage-prolog", "tfimage-epilog")
+# Each hook's arguments, in the order the role's scripts send them (5).
+HOOK_FLAGS = {
+    "tfimage-prolog": ("--config", "--job", "--image", "--node", "--gpus", "--mps"),
+    "tfimage-epilog": ("--config", "--job"),
+}
 
 TOK_ARGV, TOK_SRC, TOK_ENV = "argv", "src", "env"
 

@@ -47,11 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         "--gpus",
         default=os.environ.get("SLURM_JOB_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES", ""),
     )
-    p.add_argument(
-        "--mps",
-        action="store_true",
-        default=bool(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")),
-    )
+    p.add_argument("--mps", default=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", ""))
     return p
 
 
@@ -105,7 +101,7 @@ def _gpu_gate(cfg: Config, job_id: str, args: argparse.Namespace, log: logging.L
     if not alloc:
         return
     try:
-        prolog_gate(cfg, job_id, node, alloc, shared=args.mps)
+        prolog_gate(cfg, job_id, node, alloc, shared=bool(args.mps))
     except NodeFault:
         raise
     except Exception as e:  # the gate's own trouble (a full /run): the image still comes

@@ -21,7 +21,18 @@ def build_fake_nvml(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     lib = out / "libnvidia-ml.so.1"
     subprocess.run(
-        ["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o", str(lib), str(SOURCE)],
+        [
+            "gcc",
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-Wall",
+            "-Werror",
+            f'-DFAKE_NVML_DIR="{out}"',  # its state.json, where no environment names one
+            "-o",
+            str(lib),
+            str(SOURCE),
+        ],
         check=True,
         timeout=120,
     )
@@ -72,3 +83,13 @@ class FakeNvml:
             "LD_LIBRARY_PATH": str(self.lib_dir),
             "FAKE_NVML_STATE": str(self.state),
         }
+
+
+def healthy_node(name: str, n: int = 4) -> dict[str, Any]:
+    """A local cluster node's GPUs (deploy/local/cluster.sh): UUIDs of its own, and
+    minor numbers equal to the indices, as gres.conf's File=.../nvidia[0-3] says."""
+    tag = int.from_bytes(name.encode()[-4:].rjust(4, b"\0"), "big")
+    return node(
+        n,
+        devices=[gpu(i, uuid=f"GPU-{tag:08x}-0000-4000-8000-{i:012x}", minor=i) for i in range(n)],
+    )

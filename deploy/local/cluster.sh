@@ -310,8 +310,9 @@ CONF
 
     local nodes=""
     for n in "${NODES[@]}"; do
-        nodes+="NodeName=$n NodeAddr=$(node_addr "$n") CPUs=4 RealMemory=4000 State=UNKNOWN"$'\n'
+        nodes+="NodeName=$n NodeAddr=$(node_addr "$n") CPUs=4 RealMemory=4000 Gres=gpu:4 State=UNKNOWN"$'\n'
     done
+    write_gpus
     cat >"$ETC/slurm.conf" <<CONF
 # Local tfimage test cluster (written by deploy/local/cluster.sh)
 ClusterName=tfimage
@@ -335,7 +336,12 @@ TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 MpiDefault=none
 MpiParams=ports=20000-20999
+# Four GPUs per node (write_gpus: device files and a fake NVML; no real GPU here).
+GresTypes=gpu
 SchedulerType=sched/backfill
+# A job whose prolog failed (a GPU fault drained the node) is requeued to run
+# elsewhere, not held for an admin.
+SchedulerParameters=nohold_on_prolog_fail
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
@@ -352,6 +358,40 @@ $nodes
 PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
     chmod 0644 "$ETC/slurm.conf"
+}
+
+# GPUs without hardware, what tests/cluster/test_gpus.py runs on:
+#   $STATE/gpu/dev/nvidia0..3   character devices (major 195) for gres.conf's File=
+#   $STATE/gpu/lib/             the fake libnvidia-ml.so.1 (tests/fakenvml), found by
+#                               the node daemons and slurmd through LD_LIBRARY_PATH
+#   $STATE/gpu/state-nN.json    each node's NVML state (the fake reads its hostname's)
+#   $STATE/gpu/kmsg             the kernel log the GPU gate reads for XIDs (config)
+write_gpus() {
+    local g=$STATE/gpu src=$REPO/tests/fakenvml/fakenvml.c n i
+    rm -rf "$g"
+    mkdir -p "$g/dev" "$g/lib"
+    chmod 0755 "$g" "$g/dev" "$g/lib"
+    for i in 0 1 2 3; do mknod -m 0666 "$g/dev/nvidia$i" c 195 "$i"; done
+    : >"$g/kmsg"
+    local cc=(gcc -shared -fPIC -O2 -Wall -DFAKE_NVML_DIR="\"$g\"")
+    if [ -n "$ROOT" ]; then  # built by the tree that loads it (its glibc)
+        cp "$src" "$ROOT/usr/src/fakenvml.c"
+        chroot "$ROOT" "${cc[@]}" -o /usr/src/libnvidia-ml.so.1 /usr/src/fakenvml.c
+        install -m 0755 "$ROOT/usr/src/libnvidia-ml.so.1" "$g/lib/libnvidia-ml.so.1"
+    else
+        "${cc[@]}" -o "$g/lib/libnvidia-ml.so.1" "$src"
+    fi
+    for n in "${NODES[@]}"; do
+        python3 -c 'import json, sys
+sys.path.insert(0, sys.argv[1])
+from gpus import healthy_node
+print(json.dumps(healthy_node(sys.argv[2])))' "$REPO/tests" "$n" >"$g/state-$n.json"
+    done
+    : >"$ETC/gres.conf"
+    for n in "${NODES[@]}"; do
+        echo "NodeName=$n Name=gpu File=$g/dev/nvidia[0-3]" >>"$ETC/gres.conf"
+    done
+    chmod 0644 "$ETC/gres.conf"
 }
 
 # The role's inventory and variables: this machine, Slurm's config under $ETC.
@@ -397,6 +437,8 @@ tfimage_state_dir: /run/tfimage
 tfimage_default_binds: ["$STATE/data:/mnt"]
 tfimage_bind_prefixes: [/home, /data, "$STATE/data"]
 tfimage_maintenance: cron
+# The fake GPUs' kernel log (write_gpus), not this machine's
+tfimage_gpu: {kmsg: "$STATE/gpu/kmsg"}
 YML
     )
 }
@@ -440,7 +482,8 @@ run_daemon() {
     local name=$1 what=$2
     shift 2
     : >"$LOGS/daemon-$name.log"
-    env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin setsid "$@" \
+    env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin SLURM_CONF="$ETC/slurm.conf" \
+        LD_LIBRARY_PATH="$STATE/gpu/lib" setsid "$@" \
         "$PREFIX/bin/tfimage" --config "$ETC/tfimage/config.yaml" daemon "${DAEMON_ARGS[@]}" \
         >>"$LOGS/daemon-$name.log" 2>&1 </dev/null &
     echo $! >"$RUN/daemon-$name.pid"
@@ -482,7 +525,7 @@ exec chroot . sh -c 'umount -l /.oldroot && exec slurmd -D -N $n'"
             script+="
 exec slurmd -D -N $n"
         fi
-        SLURM_CONF=$ETC/slurm.conf setsid nsenter --net="/run/netns/$n" \
+        SLURM_CONF=$ETC/slurm.conf LD_LIBRARY_PATH=$STATE/gpu/lib setsid nsenter --net="/run/netns/$n" \
             unshare --uts --mount --propagation private sh -c "$script" \
             >>"$LOGS/slurmd-$n.out" 2>&1 </dev/null &
         echo $! >"$RUN/slurmd-$n.pid"

@@ -107,12 +107,14 @@ class Cluster:
     def on_node(
         self, node: str, argv: list[str], timeout: float = 60
     ) -> subprocess.CompletedProcess[str]:
-        """Run ``argv`` as root inside the node's namespaces (its /opt, /etc, network)."""
+        """Run ``argv`` as root inside the node's namespaces (its /opt, /etc, network),
+        with what its daemons have (the fake GPUs' NVML library)."""
         env = {
             "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
             "LANG": "C.UTF-8",
             "SLURM_CONF": self.env["SLURM_CONF"],
             "TFIMAGE_CONFIG": self.env["TFIMAGE_CONFIG"],
+            "LD_LIBRARY_PATH": str(self.state / "gpu" / "lib"),
         }
         pid = str(self.node_pid(node))
         return subprocess.run(

@@ -70,15 +70,15 @@ def test_the_plugin_speaks_exactly_the_wire_in_a_job(
     data.mkdir()
     pw = pwd.getpwnam(cluster.user)
     os.chown(data, pw.pw_uid, pw.pw_gid)
-    # A step with every optional part: a --tf-mount, GPUs as Slurm's variables say
-    # (the test cluster has no gres), a layout...
+    # A step with every optional part: a --tf-mount, a GPU (the test cluster's are
+    # fake: deploy/local/cluster.sh write_gpus), a layout...
     r = cluster.run(
         [
             "srun",
             "-N1",
             "-w",
             "n1",
-            "--export=ALL,SLURM_STEP_GPUS=0",
+            "--gres=gpu:1",
             f"--tf-mount={data}:/inputs",
             "--tf-image=tiny:1.0",
             "true",
@@ -103,15 +103,8 @@ def test_the_plugin_speaks_exactly_the_wire_in_a_job(
         if argv[0] in wire.HOOKS:
             hooks.add(argv[0])
             names = [a.partition("=")[0] for a in argv[1:]]
-            want = (
-                ["--config", "--job", "--image"]
-                if argv[0] == "tfimage-prolog"
-                else [
-                    "--config",
-                    "--job",
-                ]
-            )
-            assert names == want and all("=" in a for a in argv[1:]), argv
+            assert names == list(wire.HOOK_FLAGS[argv[0]]), argv
+            assert all("=" in a for a in argv[1:]), argv
             continue
         assert argv[:3] == ["--config", cluster.env["TFIMAGE_CONFIG"], wire.STEP_PREPARE], argv
         seen.update(wire.step_prepare_flags(argv[3:]))  # raises on anything unknown

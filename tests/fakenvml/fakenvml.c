@@ -1,9 +1,10 @@
 /*
  * A fake libnvidia-ml.so.1 for tests: the real nvidia-ml-py loads it through the
  * normal library search (LD_LIBRARY_PATH), and every answer comes from a JSON file
- * named by $FAKE_NVML_STATE, or else state.json beside the library (for processes
- * whose environment is cleared, as the node daemon's is), read afresh at each
- * nvmlInit*.  No Python is patched.
+ * named by $FAKE_NVML_STATE, or else (for processes whose environment is cleared, as
+ * the node daemon's is) FAKE_NVML_DIR/state-HOSTNAME.json (a node of the local
+ * cluster: each has its own hostname), then FAKE_NVML_DIR/state.json, FAKE_NVML_DIR
+ * given when it is built; read afresh at each nvmlInit*.  No Python is patched.
  *
  *   {"init": "SUCCESS",                     or an error name: DRIVER_NOT_LOADED, ...
  *    "driver": "550.54.15",
@@ -23,16 +24,21 @@
  *
  * A key left out answers NOT_SUPPORTED, as a GPU without the feature does; "errors"
  * makes any one function answer the named error instead.  The
- * library needs nothing but libc, so it also works bound into a container.
+ * library needs nothing but libc, so it also works bound into a container.  No
+ * _GNU_SOURCE: built on a newer glibc, it must still load under an older one (the
+ * other Slurm generation's tree), and glibc >= 2.38 redirects GNU builds to
+ * __isoc23_* symbols an older one lacks.
  */
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <libgen.h>
 #include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+
+#ifndef FAKE_NVML_DIR
+#define FAKE_NVML_DIR "."
+#endif
 
 typedef int nvmlReturn_t;
 typedef struct fake_device *nvmlDevice_t;
@@ -172,15 +178,18 @@ static nvmlReturn_t error_code(const struct json *v)
 static int load(void)
 {
 	const char *path = getenv("FAKE_NVML_STATE");
-	char beside[PATH_MAX];
-	Dl_info self;
-	if (!path && dladdr((void *)load, &self) && self.dli_fname) {
-		char lib[PATH_MAX];
-		snprintf(lib, sizeof lib, "%s", self.dli_fname);
-		snprintf(beside, sizeof beside, "%s/state.json", dirname(lib));
-		path = beside;
+	char host[256] = "", own[PATH_MAX];
+	FILE *f = NULL;
+	if (path) {
+		f = fopen(path, "r");
+	} else {
+		if (gethostname(host, sizeof host - 1) == 0) {
+			snprintf(own, sizeof own, "%s/state-%s.json", FAKE_NVML_DIR, host);
+			f = fopen(own, "r");
+		}
+		if (!f)
+			f = fopen(FAKE_NVML_DIR "/state.json", "r");
 	}
-	FILE *f = path ? fopen(path, "r") : NULL;
 	if (!f) return -1;
 	static char buf[1 << 20];
 	size_t n = fread(buf, 1, sizeof buf - 1, f);

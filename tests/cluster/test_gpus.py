@@ -1,0 +1,124 @@
+"""GPUs on the real cluster: four per node in gres.conf (device files and a fake
+libnvidia-ml.so.1 under the real nvidia-ml-py, deploy/local/cluster.sh write_gpus),
+each node with its own NVML state.  The prolog's gate, the drain with a tfimage:
+reason, the job's requeue to a healthy node, and `tfimage gpu resume`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Cluster
+from gpus import gpu, healthy_node
+
+TFIMAGE = "/opt/tfimage/bin/tfimage"
+
+
+def _set_gpus(cluster: Cluster, node: str, state: dict[str, object]) -> None:
+    (cluster.state / "gpu" / f"state-{node}.json").write_text(json.dumps(state))
+
+
+def _state_and_reason(cluster: Cluster, node: str) -> tuple[str, str]:
+    r = cluster.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T|%E"], as_root=True)
+    state, _, reason = r.stdout.strip().splitlines()[0].partition("|")
+    return state, reason
+
+
+def _wait(what: str, check: Callable[[], object], timeout: float = 150) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def gpu_nodes(cluster: Cluster) -> Iterator[Cluster]:
+    """Both nodes healthy and in service before and after."""
+    for n in ("n1", "n2"):
+        _set_gpus(cluster, n, healthy_node(n))
+    yield cluster
+    for n in ("n1", "n2"):
+        _set_gpus(cluster, n, healthy_node(n))
+        cluster.run(["scontrol", "update", f"NodeName={n}", "State=RESUME"], as_root=True)
+
+
+def test_a_gpu_step_in_the_image_keeps_the_gpus_slurm_gave_it(
+    gpu_nodes: Cluster, workdir: Path
+) -> None:
+    cluster = gpu_nodes
+    before = len(cluster.hooks_log("n2"))
+    show = "echo gpus=$CUDA_VISIBLE_DEVICES; cat /etc/tfimage-test-image"
+    r = cluster.run(
+        ["srun", "-N1", "-w", "n2", "--gres=gpu:2", "--tf-image=tiny:1.0", "sh", "-c", show],
+        cwd=workdir,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["gpus=0,1", "tiny:1.0"]  # as Slurm set it, in the image
+    gate = [line for line in cluster.hooks_log("n2")[before:] if "gpu:" in line]
+    assert len(gate) == 1 and "gpu: 2 GPU(s) healthy" in gate[0], gate
+    r = cluster.run(
+        ["srun", "-N1", "-w", "n2", "--tf-image=tiny:1.0", "sh", "-c", show], cwd=workdir
+    )
+    assert r.stdout.split()[0] == "gpus=", r.stdout  # no GPUs asked, none given
+
+
+def test_a_gpu_fault_drains_its_node_the_job_runs_elsewhere_and_resume_waits_for_a_pass(
+    gpu_nodes: Cluster, workdir: Path
+) -> None:
+    cluster = gpu_nodes
+    site = "site: disk swap"  # the site's own drain, which tfimage never touches
+    cluster.run(
+        ["scontrol", "update", "NodeName=n2", "State=DRAIN", f"Reason={site}"], as_root=True
+    )
+    faulty: dict[str, Any] = healthy_node("n1")
+    faulty["devices"] = [
+        gpu(i, uuid=d["uuid"], minor=i, ecc_dbe_volatile=2) for i, d in enumerate(faulty["devices"])
+    ]
+    _set_gpus(cluster, "n1", faulty)
+
+    sub = cluster.run(
+        ["sbatch", "--parsable", "-N1", "--gres=gpu:2", "-o", "where.txt", "--wrap", "hostname"],
+        cwd=workdir,
+    )
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    _wait("n1 to drain", lambda: "drain" in _state_and_reason(cluster, "n1")[0])
+    reason = _state_and_reason(cluster, "n1")[1]
+    uuid = faulty["devices"][0]["uuid"]
+    assert reason.startswith(f"tfimage: gpu0 {uuid}: volatile uncorrected ECC: 2"), reason
+    assert any(f"job {job}: drained n1" in line for line in cluster.hooks_log("n1"))
+
+    # The job was requeued, not lost: it runs once the site returns n2 to service.
+    cluster.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], as_root=True)
+    _wait("the job to run on n2", lambda: (workdir / "where.txt").exists())
+    _wait(
+        "the job to end",
+        lambda: not cluster.run(["squeue", "-h", "-j", job], as_root=True).stdout.strip(),
+    )
+    assert (workdir / "where.txt").read_text().split() == ["n2"]
+    shown = cluster.run(["scontrol", "-o", "show", "job", job], as_root=True).stdout
+    assert "JobState=COMPLETED" in shown and "Restarts=1" in shown, shown
+
+    # Still faulty: resume refuses, and n1 stays out.
+    r = cluster.on_node("n1", [TFIMAGE, "gpu", "resume", "--node", "n1"])
+    assert r.returncode == 1 and "n1 still fails: tfimage: gpu0" in r.stderr, r.stderr
+    assert "drain" in _state_and_reason(cluster, "n1")[0]
+    # Repaired: a passing check returns it to service.
+    _set_gpus(cluster, "n1", healthy_node("n1"))
+    r = cluster.on_node("n1", [TFIMAGE, "gpu", "resume", "--node", "n1"])
+    assert r.returncode == 0 and "n1 resumed (was: tfimage: gpu0" in r.stdout, r.stderr
+    cluster.assert_never_drained("n1")
+
+    # A site's drain survives gpu resume, whatever the GPUs say.
+    cluster.run(
+        ["scontrol", "update", "NodeName=n2", "State=DRAIN", f"Reason={site}"], as_root=True
+    )
+    r = cluster.on_node("n2", [TFIMAGE, "gpu", "resume", "--node", "n2"])
+    assert r.returncode == 1 and "drained by someone else (site: disk swap)" in r.stderr, r.stderr
+    assert _state_and_reason(cluster, "n2") == ("drained", site)
