@@ -14,6 +14,7 @@ Unknown keys are errors, as in the rest of the config.
       remapped_rows_max: null
       xids: [48, 62, 64, 74, 79, 92, 95, 119, 120, 140]
       kmsg: /dev/kmsg
+      timeout: 20           # seconds NVML may take before the gate calls the driver hung
       severity: {persistence: "off"}   # any check: drain, warning or off
       nvccli: false         # apptainer: --nv --nvccli (nvidia-container-cli sets up the GPUs)
 """
@@ -82,6 +83,12 @@ class GpuPolicy:
     xids: tuple[int, ...] = (48, 62, 64, 74, 79, 92, 95, 119, 120, 140)
     # The kernel log, read with a cursor per GPU (a test points it at a fixture).
     kmsg: str = "/dev/kmsg"
+    # NVML is read in a child process killed after this many seconds: a GPU fallen off
+    # the bus can block nvmlInit for minutes (nvidia-smi "hangs" reports, XID 79), and
+    # no hook may hang a node.  20 s leaves the gate, the pull and a health check room
+    # under Slurm's 60 s HealthCheckProgram kill; a driver that does not answer by then
+    # is an "init" finding.
+    timeout: float = 20.0
     severity: dict[str, str] = field(default_factory=dict)
     # Apptainer's --nvccli: nvidia-container-cli, not Apptainer's own list of files,
     # puts the driver into the container (Apptainer's GPU guide: where the site has
@@ -118,6 +125,10 @@ def _one(key: str, value: Any, where: str) -> Any:
         ):
             raise ConfigError(f"{where}: 'gpu.xids' must be a list of XID numbers")
         return tuple(value)
+    if key == "timeout":
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 300:
+            raise ConfigError(f"{where}: 'gpu.timeout' must be seconds from 0 to 300")
+        return float(value)
     if key == "kmsg":
         if not isinstance(value, str) or not value.startswith("/"):
             raise ConfigError(f"{where}: 'gpu.kmsg' must be an absolute path")

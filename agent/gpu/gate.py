@@ -28,8 +28,8 @@ from tfimage.agent.errors import NodeFault, TfimageError
 from tfimage.agent.fsutil import write_json
 from tfimage.agent.gpu import drain as slurm
 from tfimage.agent.gpu import xid
-from tfimage.agent.gpu.alloc import is_uuid
-from tfimage.agent.gpu.probe import NodeReading, Reading, probe
+from tfimage.agent.gpu.child import probe_bounded
+from tfimage.agent.gpu.probe import NodeReading, Reading, Selection
 from tfimage.agent.gpu.verdict import Verdict, judge
 from tfimage.agent.ids import valid_job_id
 
@@ -43,13 +43,6 @@ class Check:
     node: NodeReading
     gpus: list[Reading]  # the GPUs judged, in NVML's order
     verdict: Verdict
-
-
-def _matches(r: Reading, token: str, mapping: str) -> bool:
-    if is_uuid(token):
-        return r.uuid == token or r.uuid.startswith(token)
-    n = int(token)
-    return r.minor == n if mapping == "minor" else r.index == n
 
 
 def check(
@@ -69,18 +62,11 @@ def check(
     # A MIG instance's UUID names no whole GPU: such a job's GPUs are checked whole.
     mig = any(t.startswith("MIG-") for t in alloc)
     whole = tuple(t for t in alloc if not t.startswith("MIG-"))
-    everything = policy.scope == "node" or not whole or mig
-
-    def allocated(r: Reading) -> bool:
-        return any(_matches(r, t, policy.mapping) for t in whole)
-
-    def wanted(r: Reading) -> bool:
-        return everything or allocated(r)
-
-    node = probe(wanted)
+    wanted = Selection(policy.scope == "node" or not whole or mig, whole, policy.mapping)
+    node = probe_bounded(wanted, policy.timeout)
     gpus = [r for r in node.gpus if wanted(r)]
-    missing = [t for t in whole if not any(_matches(r, t, policy.mapping) for r in node.gpus)]
-    idle = {r.index for r in gpus if allocated(r)} if expect_idle and not shared else set()
+    missing = [t for t in whole if not any(wanted.names(r, t) for r in node.gpus)]
+    idle = {r.index for r in gpus if wanted.allocated(r)} if expect_idle and not shared else set()
     xids: dict[str, list[xid.Xid]] = {}
     if not node.init_error and policy.severity_of("xid") != "off":
         buses = [b for b in (xid.key(r.pci) for r in gpus) if b]

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tfimage.agent.gpu.alloc import is_uuid
+
 # NVML's return codes (nvml.h), the few whose meaning the gate depends on.
 NOT_SUPPORTED = 3
 FUNCTION_NOT_FOUND = 13
@@ -59,6 +61,29 @@ class _Skip(Exception):  # noqa: N818 - a control-flow signal, not an error
 class _Fault(Exception):  # noqa: N818 - a control-flow signal, not an error
     def __init__(self, why: str) -> None:
         self.why = why
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which GPUs get the full reading: every one, or those the tokens name (Slurm's
+    indices or UUIDs; a number means an NVML index or, with ``mapping: minor``, a
+    minor number).  Data, not a function: it crosses into the child (child.py)."""
+
+    everything: bool
+    tokens: tuple[str, ...] = ()
+    mapping: str = "index"
+
+    def allocated(self, r: Reading) -> bool:
+        return any(self.names(r, t) for t in self.tokens)
+
+    def names(self, r: Reading, token: str) -> bool:
+        if is_uuid(token):
+            return r.uuid == token or r.uuid.startswith(token)
+        n = int(token)
+        return r.minor == n if self.mapping == "minor" else r.index == n
+
+    def __call__(self, r: Reading) -> bool:
+        return self.everything or self.allocated(r)
 
 
 def _call(nvml: Any, fn: Callable[[], Any]) -> Any:

@@ -7,6 +7,9 @@
  * given when it is built; read afresh at each nvmlInit*.  No Python is patched.
  *
  *   {"init": "SUCCESS",                     or an error name: DRIVER_NOT_LOADED, ...
+ *    "hang_s": 30,                          nvmlInit stops answering for that long,
+ *                                           as a driver with a GPU off the bus does
+ *    "abort": true,                         nvmlInit crashes the process (SIGABRT)
  *    "driver": "550.54.15",
  *    "devices": [
  *      {"uuid": "GPU-...", "pci": "00000000:3B:00.0", "minor": 0,
@@ -232,6 +235,12 @@ nvmlReturn_t nvmlInitWithFlags(unsigned flags)
 {
 	(void)flags;
 	if (load() < 0) return UNKNOWN;
+	const struct json *hang = member(&root, "hang_s");
+	if (hang && hang->type == J_NUM && hang->num > 0)
+		sleep((unsigned)hang->num);
+	const struct json *crash = member(&root, "abort");
+	if (crash && crash->type == J_BOOL && crash->num)
+		abort();
 	nvmlReturn_t e = error_code(member(&root, "init"));
 	if (e) return e;
 	initialised = 1;

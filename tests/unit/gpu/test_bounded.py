@@ -1,0 +1,94 @@
+"""NVML in a child with a deadline (agent/gpu/child.py): a hung or crashing driver
+is a GPU fault the gate reports in time; tfimage's own trouble never drains.
+
+The hang and the crash are the fake library's (``hang_s``, ``abort``): nvmlInit
+sleeps or calls abort() in the real child process the gate starts."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import drains, gpu_check, hook
+from gpus import FakeNvml, node
+
+from tfimage.agent.errors import TfimageError
+from tfimage.agent.gpu.child import probe_bounded
+from tfimage.agent.gpu.probe import Selection
+
+
+def test_a_driver_that_stops_answering_is_an_init_drain_within_the_timeout(
+    nvml: FakeNvml, site: Callable[..., Path]
+) -> None:
+    doc = node(4)
+    doc["hang_s"] = 30
+    nvml.write(doc)
+    started = time.monotonic()
+    status, out = gpu_check(nvml, site(timeout=1))
+    took = time.monotonic() - started
+    assert status == 2
+    assert drains(out) == [
+        (
+            "nvml",
+            "init",
+            "NVML does not initialise: NVML did not answer within 1 s (a hung driver or GPU)",
+        )
+    ]
+    assert took < 15, took  # not the fake's 30 s
+
+
+def test_a_driver_library_that_crashes_is_an_init_drain_naming_the_signal(
+    nvml: FakeNvml, site: Callable[..., Path]
+) -> None:
+    doc = node(2)
+    doc["abort"] = True
+    nvml.write(doc)
+    status, out = gpu_check(nvml, site())
+    assert status == 2
+    assert drains(out) == [
+        ("nvml", "init", "NVML does not initialise: NVML crashed the reading (SIGABRT)")
+    ]
+
+
+def test_the_child_reads_the_same_gpus_the_selection_names(
+    nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml.write(node(4))
+    for k, v in nvml.env().items():
+        monkeypatch.setenv(k, v)
+    got = probe_bounded(Selection(False, ("1", node(4)["devices"][3]["uuid"])), 10)
+    assert not got.init_error and len(got.gpus) == 4
+    read = [r.index for r in got.gpus if r.values]
+    assert read == [1, 3]  # the others named only
+    assert got.gpus[1].values["remapped"] == [0, 0, 0, 0]
+
+
+def test_a_python_error_in_the_child_is_tfimages_trouble_not_a_gpu_fault(
+    nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml.write(node(1))
+    for k, v in nvml.env().items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(TfimageError, match=r"gpu: the NVML reading failed: ValueError"):
+        probe_bounded(Selection(False, ("not-a-gpu",)), 10)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root: run as root")
+def test_a_prolog_on_a_hung_driver_fails_in_time_and_pulls_nothing(
+    nvml: FakeNvml, site: Callable[..., Path], tmp_path: Path
+) -> None:
+    doc = node(4)
+    doc["hang_s"] = 30
+    nvml.write(doc)
+    started = time.monotonic()
+    r = hook(
+        "prolog", nvml, site(timeout=1), "--job=44", "--node=n1", "--gpus=0", "--image=tiny:1.0"
+    )
+    assert r.returncode == 1
+    assert time.monotonic() - started < 15
+    log = (tmp_path / "hooks.log").read_text()
+    assert "tfimage: nvml: NVML does not initialise: NVML did not answer within 1 s" in log, log
+    assert "tiny:1.0" not in log
