@@ -17,10 +17,12 @@ Unknown keys are errors, as in the rest of the config.
       timeout: 20           # seconds NVML may take before the gate calls the driver hung
       severity: {persistence: "off"}   # any check: drain, warning or off
       nvccli: false         # apptainer: --nv --nvccli (nvidia-container-cli sets up the GPUs)
+      driver_libs: []       # charliecloud: the driver's libraries (default: ldconfig -p)
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,9 @@ class GpuPolicy:
     # puts the driver into the container (Apptainer's GPU guide: where the site has
     # libnvidia-container installed).
     nvccli: bool = False
+    # Charliecloud: the driver libraries bound into a GPU step (step/gpudriver.py);
+    # empty: found in the host's linker cache, as nvidia-container-cli finds them.
+    driver_libs: tuple[str, ...] = ()
 
     def severity_of(self, check: str) -> str:
         return self.severity.get(check, CHECKS[check])
@@ -124,6 +129,16 @@ def _one(key: str, value: Any, where: str) -> Any:
             isinstance(x, int) and not isinstance(x, bool) and 0 < x < 1 << 16 for x in value
         ):
             raise ConfigError(f"{where}: 'gpu.xids' must be a list of XID numbers")
+        return tuple(value)
+    if key == "driver_libs":
+        if (
+            not isinstance(value, list)
+            or len(value) > 64
+            or not all(
+                isinstance(p, str) and p.startswith("/") and os.path.normpath(p) == p for p in value
+            )
+        ):
+            raise ConfigError(f"{where}: 'gpu.driver_libs' must be a list of absolute paths")
         return tuple(value)
     if key == "timeout":
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 300:

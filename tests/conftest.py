@@ -236,3 +236,11 @@ def token_registry(
     realm = urlsplit(token_service.realm).netloc  # another port of the same host
     with _serve_registry(d, tls, auth) as host:
         yield Registry(host, tls / "ca.crt", *ROBOT, token_realms=(realm,))
+
+
+@pytest.fixture(scope="session")
+def fake_nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fake libnvidia-ml.so.1 (tests/fakenvml), built once; its directory."""
+    from gpus import build_fake_nvml
+
+    return build_fake_nvml(tmp_path_factory.mktemp("fakenvml"))

@@ -279,13 +279,14 @@ def serve(
     import tfimage.agent.step.taskenv
     import tfimage.agent.submit.pin  # noqa: F401
 
-    # Root's own SLURM_CONF (the service's, never a job's) stays: the prolog's GPU gate
-    # drains through scontrol, which needs it where slurm.conf is not in its default place.
-    conf = os.environ.get("SLURM_CONF", "")
+    # Root's own SLURM_CONF and LD_LIBRARY_PATH (the service's, never a job's) stay: the
+    # prolog's GPU gate drains through scontrol, which needs slurm.conf where it is not
+    # in its default place, and reads NVML in a child (gpu/child.py), which needs the
+    # driver where the site's service unit says it is.
+    kept = {k: os.environ.get(k, "") for k in ("SLURM_CONF", "LD_LIBRARY_PATH")}
     os.environ.clear()
     os.environ.update(_ENV)
-    if conf.startswith("/"):
-        os.environ["SLURM_CONF"] = conf
+    os.environ.update({k: v for k, v in kept.items() if v.startswith("/")})
     listeners = {_bind(path): "root"}
     if pin_path is not None:
         listeners[_bind(pin_path, 0o666)] = "pin"

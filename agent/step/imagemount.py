@@ -4,7 +4,8 @@ Under ``state_dir/jobs/<jobid>/`` (root-owned)::
 
     img-<hex12>/          the SIF's squashfs partition, via squashfuse
                           (ro,nosuid,nodev)
-    step-<stepid>/skel/   empty directories to bind host paths onto (0755)
+    step-<stepid>/skel/   empty directories to bind host paths onto (0755), and
+                          empty files for a GPU step's driver (0644)
     step-<stepid>/root/   overlay of skel over the image (ro,nosuid,nodev):
                           what ch-run runs
 
@@ -125,17 +126,26 @@ def mount_image(state_dir: str, job_id: str, sif: Path, digest: str) -> Path:
 
 
 def step_root(
-    state_dir: str, job_id: str, step_id: str, image: Path, mountpoints: Iterable[str]
+    state_dir: str,
+    job_id: str,
+    step_id: str,
+    image: Path,
+    mountpoints: Iterable[str],
+    files: Iterable[str] = (),
 ) -> Path:
-    """A read-only overlay of the image with ``mountpoints`` present as directories."""
+    """A read-only overlay of the image with ``mountpoints`` present as directories
+    and ``files`` as empty files."""
     if not valid_step_id(step_id):
         raise RuntimeSetupError(f"invalid step id {step_id!r}")
     base = job_dir(state_dir, job_id) / f"step-{step_id}"
     root = base / "root"
     skel = base / "skel"
     wanted = [safe_abspath(p, "mount point").lstrip("/") for p in mountpoints]
+    wanted_files = [safe_abspath(p, "mount point").lstrip("/") for p in files]
     if mounted(root):
-        if all((skel / p).is_dir() for p in wanted):
+        if all((skel / p).is_dir() for p in wanted) and all(
+            (skel / p).is_file() for p in wanted_files
+        ):
             return root
         # A task found its working directory missing: rebuild before it enters.
         try:
@@ -145,6 +155,11 @@ def step_root(
     _mkdirs(Path(state_dir), base, TRAVERSE_ONLY)
     for p in wanted:
         _mkdirs(Path(state_dir), skel / p)
+    for p in wanted_files:
+        _mkdirs(Path(state_dir), (skel / p).parent)
+        # skel is root's own tree (no link in it but those _mkdirs refused)
+        fd = os.open(skel / p, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        os.close(fd)
     _mkdirs(Path(state_dir), root)
     toolrun.run(
         [

@@ -25,6 +25,8 @@ from tfimage.agent.errors import (
 from tfimage.agent.logtext import oneline
 from tfimage.agent.step import imagemount
 from tfimage.agent.step.binds import parse_site_binds, parse_user_binds, under
+from tfimage.agent.step.gpudriver import LIB_DIR as DRIVER_LIB_DIR
+from tfimage.agent.step.gpudriver import driver_binds
 from tfimage.agent.step.gpushare import LIMIT, mps_memory_limit
 from tfimage.agent.step.jobrecord import JobRecord
 from tfimage.agent.step.runtime import Bind, Runtime, StepSpec, runtime_for
@@ -157,6 +159,8 @@ def plan_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) ->
             user = str(req.uid)
         for task in env.values():
             task.setdefault("USER", user)
+            if req.gpus:  # where the driver is bound (gpudriver.py), unless set
+                task.setdefault("LD_LIBRARY_PATH", DRIVER_LIB_DIR)
     return StepPlan(argv, env, [b.src for b in user_binds])
 
 
@@ -199,7 +203,12 @@ def _step_argv(
         script = imagemount.safe_abspath(req.script, "batch script")
         # The script lives in the slurmd spool, which no runtime binds by itself.
         binds.append(Bind(str(Path(script).parent), str(Path(script).parent), read_only=True))
-    spec = StepSpec(workdir=workdir, home=_home_of(req.uid), binds=tuple(binds), gpus=req.gpus)
+    driver: tuple[Bind, ...] = ()
+    if req.gpus and runtime.name == "charliecloud":
+        driver = tuple(driver_binds(cfg.gpu.driver_libs))
+    spec = StepSpec(
+        workdir=workdir, home=_home_of(req.uid), binds=tuple(binds), gpus=req.gpus, driver=driver
+    )
 
     cached, image_dir = _ready(cfg, req.job_id, req.image, runtime, cache)
     if image_dir is None:
@@ -211,5 +220,6 @@ def _step_argv(
             req.step_id,
             image_dir,
             [*runtime.required_dirs, *spec.mountpoints()],
+            spec.files(),
         )
     return runtime.prefix(root, spec)

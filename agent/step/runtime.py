@@ -30,6 +30,12 @@ class StepSpec:
     home: str | None
     binds: tuple[Bind, ...] = field(default_factory=tuple)
     gpus: bool = False
+    # The host's GPU driver, file by file (gpudriver.py): charliecloud's alone.
+    driver: tuple[Bind, ...] = field(default_factory=tuple)
+
+    def files(self) -> list[str]:
+        """Files that must exist in the container for the driver's binds to land."""
+        return sorted({b.dst for b in self.driver})
 
     def mountpoints(self) -> list[str]:
         """Directories that must exist in the container for the binds to land."""
@@ -72,6 +78,8 @@ class Charliecloud:
         if imagefs.is_regular(root, "ch/environment"):
             argv += ["--env-no-expand", "--set-env"]  # OCI Env values are literal
         for b in spec.all_binds():
+            argv += ["-b", f"{b.src}:{b.dst}"]
+        for b in spec.driver:
             argv += ["-b", f"{b.src}:{b.dst}"]
         if spec.workdir:
             argv += ["-c", spec.workdir]

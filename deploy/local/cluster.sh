@@ -437,8 +437,8 @@ tfimage_state_dir: /run/tfimage
 tfimage_default_binds: ["$STATE/data:/mnt"]
 tfimage_bind_prefixes: [/home, /data, "$STATE/data"]
 tfimage_maintenance: cron
-# The fake GPUs' kernel log (write_gpus), not this machine's
-tfimage_gpu: {kmsg: "$STATE/gpu/kmsg"}
+# The fake GPUs' kernel log, and their driver for charliecloud steps (write_gpus)
+tfimage_gpu: {kmsg: "$STATE/gpu/kmsg", driver_libs: ["$STATE/gpu/lib/libnvidia-ml.so.1"]}
 YML
     )
 }

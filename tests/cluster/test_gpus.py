@@ -6,6 +6,7 @@ reason, the job's requeue to a healthy node, and `tfimage gpu resume`."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -66,6 +67,31 @@ def test_a_gpu_step_in_the_image_keeps_the_gpus_slurm_gave_it(
         ["srun", "-N1", "-w", "n2", "--tf-image=tiny:1.0", "sh", "-c", show], cwd=workdir
     )
     assert r.stdout.split()[0] == "gpus=", r.stdout  # no GPUs asked, none given
+
+
+def test_nvml_inside_the_container_answers_through_the_driver_tfimage_bound_in(
+    gpu_nodes: Cluster, workdir: Path
+) -> None:
+    """The host's driver (the fake NVML, gpu.driver_libs) is bound into a charliecloud
+    GPU step; a program in the image (tf-custom's glibc) loads it and reads the node's
+    GPUs.  Without device cgroups (task/none here) NVML lists all four of the node's,
+    as it would on hardware; the job's two are the ones CUDA_VISIBLE_DEVICES names."""
+    cluster = gpu_nodes
+    prog = workdir / "nvmlcount"
+    src = Path(__file__).parents[1] / "fakenvml" / "nvmlcount.c"
+    subprocess.run(["gcc", "-O2", "-o", str(prog), str(src)], check=True, timeout=120)
+    state = workdir / "nvml-state.json"
+    state.write_text(json.dumps(healthy_node("n2")))
+    state.chmod(0o644)
+    show = f"FAKE_NVML_STATE={state} {prog}; echo gpus=$CUDA_VISIBLE_DEVICES"
+    argv = ["srun", "-N1", "-w", "n2", "--tf-image=tf-custom:2.0", "sh", "-c", show]
+    r = cluster.run([*argv[:4], "--gres=gpu:2", *argv[4:]], cwd=workdir, timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split()
+    uuids = [d["uuid"] for d in healthy_node("n2")["devices"]]
+    assert lines[:5] == ["count=4", *uuids] and lines[5] == "gpus=0,1", r.stdout
+    r = cluster.run(argv, cwd=workdir, timeout=600)
+    assert "no driver:" in r.stdout and r.stdout.split()[-1] == "gpus=", r.stdout
 
 
 def test_a_gpu_fault_drains_its_node_the_job_runs_elsewhere_and_resume_waits_for_a_pass(

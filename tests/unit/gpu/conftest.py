@@ -8,17 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpus import FakeNvml, build_fake_nvml
-
-
-@pytest.fixture(scope="session")
-def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_fake_nvml(tmp_path_factory.mktemp("fakenvml"))
+from gpus import FakeNvml
 
 
 @pytest.fixture
-def nvml(fake_lib: Path, tmp_path: Path) -> FakeNvml:
-    return FakeNvml(fake_lib, tmp_path / "nvml-state.json")
+def nvml(fake_nvml_lib: Path, tmp_path: Path) -> FakeNvml:
+    return FakeNvml(fake_nvml_lib, tmp_path / "nvml-state.json")
 
 
 @pytest.fixture

@@ -1,0 +1,134 @@
+"""The host's NVIDIA driver, bound into a charliecloud container for a GPU step.
+
+Apptainer's ``--nv`` finds the driver by itself; ``ch-run`` does not.  For a step
+Slurm gave GPUs, each driver file is bound read-only, one by one, at::
+
+    /usr/local/nvidia/lib64/<soname>    each user-space driver library
+    /usr/local/nvidia/bin/<name>        nvidia-smi and the MPS tools the host has
+
+which is where NVIDIA's CUDA images, and TensorFlow's ``-gpu`` images built on them,
+look (their ``LD_LIBRARY_PATH`` and ``PATH`` name it); other images' tasks get
+``LD_LIBRARY_PATH=/usr/local/nvidia/lib64`` unless the task already has one.  The
+empty files the binds land on are made in the step's skeleton (imagemount.py), never
+in the image.  The device files need nothing: ch-run binds the host's ``/dev``.
+
+Where the libraries come from, the first that applies:
+
+    gpu.driver_libs    the admin's list of files (the name in the container is the
+                       file's own name: list the soname links, libcuda.so.1)
+    ldconfig -p        the host's linker cache, as nvidia-container-cli finds them:
+                       its "compute" and "utility" libraries, for this machine's ABI
+
+Each file is the host's (the admin's ``/usr/lib``, never a job's or an image's), and
+is bound only if its real path is a regular file owned by root that nobody else may
+write.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import stat
+from collections.abc import Iterable
+
+from tfimage.agent import toolrun
+from tfimage.agent.errors import RuntimeSetupError
+from tfimage.agent.step.runtime import Bind
+
+LIB_DIR = "/usr/local/nvidia/lib64"
+BIN_DIR = "/usr/local/nvidia/bin"
+# libnvidia-container's nvc_info.c: utility_libs and compute_libs (what
+# `nvidia-container-cli --compute --utility` mounts), without the graphics stack.
+LIBS = (
+    "libnvidia-ml.so",
+    "libnvidia-cfg.so",
+    "libcuda.so",
+    "libcudadebugger.so",
+    "libnvidia-opencl.so",
+    "libnvidia-gpucomp.so",
+    "libnvidia-ptxjitcompiler.so",
+    "libnvidia-fatbinaryloader.so",
+    "libnvidia-allocator.so",
+    "libnvidia-compiler.so",
+    "libnvidia-pkcs11.so",
+    "libnvidia-pkcs11-openssl3.so",
+    "libnvidia-nvvm.so",
+)
+# nvc_info.c: utility_bins and compute_bins.
+BINS = ("nvidia-smi", "nvidia-debugdump", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
+# ldconfig -p's tag for this machine's 64-bit libraries (glibc's elf/cache.c).
+ABI = {"x86_64": "libc6,x86-64", "aarch64": "libc6,AArch64", "ppc64le": "libc6,64bit"}
+LDCONFIG_TIMEOUT = 10.0
+_LINE = re.compile(r"\t(\S+) \(([^)]*)\) => (/\S+)\Z")
+
+
+def from_ldconfig(text: str, abi: str) -> dict[str, str]:
+    """``soname -> path`` for the driver's libraries in ``ldconfig -p`` output: only
+    versioned names (``libcuda.so.1``, not the development link), only ``abi``'s."""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if not m:
+            continue
+        name, tags, path = m.groups()
+        if tags.split(",")[:2] != abi.split(",")[:2] or name in found:
+            continue
+        if any(name.startswith(lib + ".") for lib in LIBS):
+            found[name] = path
+    return found
+
+
+def _trusted(path: str) -> str | None:
+    """The real file behind ``path`` if root owns it and only root may write it."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real, follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        return None
+    return real
+
+
+def _binds(pairs: Iterable[tuple[str, str]]) -> list[Bind]:
+    out: list[Bind] = []
+    for dst, src in pairs:
+        real = _trusted(src)
+        if real is None:
+            raise RuntimeSetupError(
+                f"gpu: driver file {src} is not a regular file that only root may write"
+            )
+        if ":" in real or "," in real:  # ch-run splits a bind at its first ':'
+            raise RuntimeSetupError(f"gpu: driver file {real} has a name ch-run cannot bind")
+        out.append(Bind(real, dst, read_only=True))
+    return out
+
+
+def driver_binds(
+    driver_libs: tuple[str, ...] = (), ldconfig_output: str | None = None
+) -> list[Bind]:
+    """The binds that put the host's driver into a GPU step's container.
+
+    ``ldconfig_output``: ``ldconfig -p``'s text, read here when not given.
+    """
+    if driver_libs:
+        libs = {os.path.basename(p): p for p in driver_libs}
+    else:
+        if ldconfig_output is None:
+            ldconfig_output = toolrun.run(
+                ["ldconfig", "-p"], timeout=LDCONFIG_TIMEOUT, what="finding the GPU driver"
+            )
+        abi = ABI.get(platform.machine(), "")
+        libs = from_ldconfig(ldconfig_output, abi)
+    if not any(n.startswith(("libcuda.so.", "libnvidia-ml.so.")) for n in libs):
+        raise RuntimeSetupError(
+            "gpu: the step has GPUs but this node has no NVIDIA driver library "
+            "(neither libcuda.so.1 nor libnvidia-ml.so.1 in gpu.driver_libs or ldconfig -p)"
+        )
+    pairs = [(f"{LIB_DIR}/{name}", path) for name, path in sorted(libs.items())]
+    for name in BINS:
+        if path := shutil.which(name, path="/usr/bin:/usr/sbin:/bin:/sbin"):
+            pairs.append((f"{BIN_DIR}/{name}", path))
+    return _binds(pairs)

@@ -1,0 +1,214 @@
+"""The host's driver for a charliecloud GPU step (agent/step/gpudriver.py): found in
+a real linker cache (built here by the real ldconfig), trusted only when root alone
+may write it, and bound file by file where NVIDIA's CUDA images look."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+from gpus import SOURCE, node
+
+from support import build_sif, need
+from tfimage.agent.config import config_from_mapping
+from tfimage.agent.errors import ConfigError, RuntimeSetupError
+from tfimage.agent.step import imagemount
+from tfimage.agent.step.gpudriver import ABI, BIN_DIR, LIB_DIR, driver_binds, from_ldconfig
+from tfimage.agent.step.plan import DRIVER_LIB_DIR
+from tfimage.agent.step.runtime import Bind, Charliecloud, StepSpec
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="root-owned driver files: run as root")
+
+
+@pytest.fixture(scope="module")
+def driver_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A driver directory as a distribution installs one: versioned files with their
+    sonames (the fake NVML's code under each name), the soname links, root's, 0755."""
+    d = tmp_path_factory.mktemp("driver")
+    for lib in ("libnvidia-ml", "libcuda", "libnvidia-ptxjitcompiler", "libnvidia-glcore"):
+        real = d / f"{lib}.so.550.54.15"
+        subprocess.run(
+            ["gcc", "-shared", "-fPIC", f"-Wl,-soname,{lib}.so.1", "-o", str(real), str(SOURCE)],
+            check=True,
+            timeout=120,
+        )
+        real.chmod(0o755)
+        (d / f"{lib}.so.1").symlink_to(real.name)
+    (d / "libcuda.so").symlink_to("libcuda.so.1")  # the development link
+    return d
+
+
+@pytest.fixture
+def driver(driver_build: Path, tmp_path: Path) -> Path:
+    d = tmp_path / "driver"
+    shutil.copytree(driver_build, d, symlinks=True)
+    return d
+
+
+def _ldconfig(tmp_path: Path, driver: Path) -> str:
+    cache = tmp_path / "ld.so.cache"
+    subprocess.run(["ldconfig", "-C", str(cache), "-f", "/dev/null", str(driver)], check=True)
+    return subprocess.run(
+        ["ldconfig", "-p", "-C", str(cache)], check=True, capture_output=True, text=True
+    ).stdout
+
+
+@root_only
+def test_the_linker_cache_gives_the_compute_and_utility_libraries_by_soname(
+    tmp_path: Path, driver: Path
+) -> None:
+    text = _ldconfig(tmp_path, driver)
+    found = from_ldconfig(text, ABI[platform.machine()])
+    ours = {k: v for k, v in found.items() if v.startswith(str(driver))}
+    assert sorted(ours) == ["libcuda.so.1", "libnvidia-ml.so.1", "libnvidia-ptxjitcompiler.so.1"]
+    # graphics libraries and the development link stay out
+    binds = {
+        b.dst: b.src for b in driver_binds(ldconfig_output=text) if b.src.startswith(str(driver))
+    }
+    assert binds == {
+        f"{LIB_DIR}/libcuda.so.1": str(driver / "libcuda.so.550.54.15"),
+        f"{LIB_DIR}/libnvidia-ml.so.1": str(driver / "libnvidia-ml.so.550.54.15"),
+        f"{LIB_DIR}/libnvidia-ptxjitcompiler.so.1": str(
+            driver / "libnvidia-ptxjitcompiler.so.550.54.15"
+        ),
+    }
+
+
+def test_a_32_bit_library_of_the_same_name_is_not_taken() -> None:
+    text = (
+        "3 libs found in cache `/etc/ld.so.cache'\n"
+        "\tlibcuda.so.1 (libc6) => /usr/lib/i386-linux-gnu/libcuda.so.1\n"
+        "\tlibcuda.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so.1\n"
+        "\tlibnvidia-ml.so.1 (libc6,x86-64, OS ABI: Linux 3.2.0) => "
+        "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1\n"
+    )
+    assert from_ldconfig(text, "libc6,x86-64") == {
+        "libcuda.so.1": "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+        "libnvidia-ml.so.1": "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+    }
+
+
+@root_only
+def test_the_admins_list_names_the_files_and_their_names_in_the_container(driver: Path) -> None:
+    binds = driver_binds((str(driver / "libnvidia-ml.so.1"), str(driver / "libcuda.so.1")))
+    libs = [(b.dst, b.src, b.read_only) for b in binds if b.dst.startswith(LIB_DIR)]
+    assert libs == [
+        (f"{LIB_DIR}/libcuda.so.1", str(driver / "libcuda.so.550.54.15"), True),
+        (f"{LIB_DIR}/libnvidia-ml.so.1", str(driver / "libnvidia-ml.so.550.54.15"), True),
+    ]
+    assert all(b.dst.startswith(BIN_DIR + "/") for b in binds[2:])
+
+
+@root_only
+@pytest.mark.parametrize("how", ["anyone may write it", "a user owns it"])
+def test_a_driver_file_someone_else_could_change_is_never_bound(driver: Path, how: str) -> None:
+    real = driver / "libnvidia-ml.so.550.54.15"
+    if how == "anyone may write it":
+        real.chmod(0o757)
+    else:
+        os.chown(real, 65534, 65534)
+    with pytest.raises(RuntimeSetupError, match="not a regular file that only root may write"):
+        driver_binds((str(driver / "libnvidia-ml.so.1"),))
+
+
+def test_a_node_without_a_driver_says_so_in_one_line() -> None:
+    with pytest.raises(RuntimeSetupError) as e:
+        driver_binds(ldconfig_output="0 libs found in cache `/etc/ld.so.cache'\n")
+    assert "no NVIDIA driver library" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_charliecloud_binds_the_driver_files_read_only_after_the_users_binds() -> None:
+    spec = StepSpec(
+        workdir="/w",
+        home=None,
+        gpus=True,
+        driver=(Bind("/usr/lib/x/libcuda.so.550", f"{LIB_DIR}/libcuda.so.1", True),),
+    )
+    assert spec.files() == [f"{LIB_DIR}/libcuda.so.1"]
+    assert Charliecloud("/x/ch-run").prefix(Path("/r"), spec) == [
+        "/x/ch-run", "--no-passwd", "-b", "/w:/w",
+        "-b", f"/usr/lib/x/libcuda.so.550:{LIB_DIR}/libcuda.so.1",
+        "-c", "/w", "/r", "--",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [["lib"], "/x", ["/a/../b"], [1]])
+def test_the_driver_list_in_the_config_is_checked(bad: object) -> None:
+    with pytest.raises(ConfigError, match="gpu.driver_libs"):
+        config_from_mapping({"gpu": {"driver_libs": bad}})
+
+
+def _image_with(program: Path, root: Path) -> None:
+    """A root filesystem holding ``program`` and the host libraries it links."""
+    for d in ("bin", "dev", "proc", "sys", "tmp", "etc"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    shutil.copy(program, root / "bin" / program.name)
+    ldd = subprocess.run(["ldd", str(program)], capture_output=True, text=True, check=True)
+    for word in ldd.stdout.split():
+        if word.startswith("/") and Path(word).exists():
+            dst = root / word.lstrip("/")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(word, dst)
+
+
+@root_only
+def test_a_gpu_step_in_charliecloud_sees_the_nodes_gpus_through_the_bound_driver(
+    driver_build: Path,
+) -> None:
+    """Real SIF, real squashfuse and overlay, real ch-run as an unprivileged user:
+    the program in the image finds the host's (fake) driver where tfimage bound it."""
+    need("ch-run", "squashfuse", "mksquashfs", "siftool")
+    if not Path("/dev/fuse").exists():
+        pytest.skip("no /dev/fuse on this machine")
+    work = Path(tempfile.mkdtemp(prefix="tfimage-gpudriver-", dir="/var/tmp"))
+    try:
+        work.chmod(0o755)
+        drv = work / "driver"
+        shutil.copytree(driver_build, drv, symlinks=True)
+        drv.chmod(0o755)
+        prog = work / "nvmlcount"
+        src = SOURCE.parent / "nvmlcount.c"
+        subprocess.run(["gcc", "-O2", "-o", str(prog), str(src)], check=True, timeout=120)
+        rootfs = work / "rootfs"
+        _image_with(prog, rootfs)
+        doc = node(4)
+        (rootfs / "etc" / "nvml-state.json").write_text(json.dumps(doc))
+        sif = build_sif(rootfs, work / "img.sif")
+        state = work / "state"
+        img = imagemount.mount_image(str(state), "77", sif, "sha256:" + "d" * 64)
+        ch = Charliecloud()
+        seen = {}
+        for gpus in (True, False):
+            binds = driver_binds((str(drv / "libnvidia-ml.so.1"),)) if gpus else []
+            spec = StepSpec(workdir=None, home=None, gpus=gpus, driver=tuple(binds))
+            step = "0" if gpus else "1"
+            root = imagemount.step_root(
+                str(state), "77", step, img, [*ch.required_dirs, *spec.mountpoints()], spec.files()
+            )
+            r = subprocess.run(
+                [*ch.prefix(root, spec), "/bin/nvmlcount"],
+                env={
+                    "PATH": "/usr/bin:/bin",
+                    "USER": "nobody",
+                    "LD_LIBRARY_PATH": DRIVER_LIB_DIR,
+                    "FAKE_NVML_STATE": "/etc/nvml-state.json",
+                },
+                user=65534,
+                group=65534,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            seen[gpus] = (r.returncode, r.stdout.split("\n")[:-1], r.stderr)
+        assert seen[True][0] == 0, seen[True]
+        assert seen[True][1] == ["count=4", *(d["uuid"] for d in doc["devices"])]
+        assert seen[False][0] == 2 and seen[False][1][0].startswith("no driver:"), seen[False]
+    finally:
+        imagemount.release_job(str(work / "state"), "77")
+        shutil.rmtree(work, ignore_errors=True)
