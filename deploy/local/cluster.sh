@@ -339,9 +339,6 @@ MpiParams=ports=20000-20999
 # Four GPUs per node (write_gpus: device files and a fake NVML; no real GPU here).
 GresTypes=gpu
 SchedulerType=sched/backfill
-# A job whose prolog failed (a GPU fault drained the node) is requeued to run
-# elsewhere, not held for an admin.
-SchedulerParameters=nohold_on_prolog_fail
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
@@ -439,6 +436,11 @@ tfimage_bind_prefixes: [/home, /data, "$STATE/data"]
 tfimage_maintenance: cron
 # The fake GPUs' kernel log, and their driver for charliecloud steps (write_gpus)
 tfimage_gpu: {kmsg: "$STATE/gpu/kmsg", driver_libs: ["$STATE/gpu/lib/libnvidia-ml.so.1"]}
+# The role's HealthCheckProgram, run by test_gpus.py as slurmd runs it (interval 0:
+# never on its own, so that no test's GPU state is judged behind its back).
+tfimage_gpu_health_check: true
+tfimage_gpu_health_check_interval: 0
+tfimage_gpu_health_check_env: {LD_LIBRARY_PATH: "$STATE/gpu/lib"}
 YML
     )
 }

@@ -122,7 +122,9 @@ def test_a_gpu_fault_drains_its_node_the_job_runs_elsewhere_and_resume_waits_for
 
     # The job was requeued, not lost: it runs once the site returns n2 to service.
     cluster.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], as_root=True)
-    _wait("the job to run on n2", lambda: (workdir / "where.txt").exists())
+    # Slurm holds a requeued job back about 120 s (its BeginTime), then backfill
+    # (every 30 s) starts it.
+    _wait("the job to run on n2", lambda: (workdir / "where.txt").exists(), timeout=300)
     _wait(
         "the job to end",
         lambda: not cluster.run(["squeue", "-h", "-j", job], as_root=True).stdout.strip(),
@@ -148,3 +150,33 @@ def test_a_gpu_fault_drains_its_node_the_job_runs_elsewhere_and_resume_waits_for
     r = cluster.on_node("n2", [TFIMAGE, "gpu", "resume", "--node", "n2"])
     assert r.returncode == 1 and "drained by someone else (site: disk swap)" in r.stderr, r.stderr
     assert _state_and_reason(cluster, "n2") == ("drained", site)
+
+
+def test_the_roles_health_check_drains_a_faulty_node_as_slurmd_would_run_it(
+    gpu_nodes: Cluster,
+) -> None:
+    """The role wrote HealthCheckProgram (the site had none) and nohold_on_prolog_fail
+    into slurm.conf; its program, run with only SLURMD_NODENAME in its environment as
+    slurmd runs it, drains a node whose GPU fails and leaves a healthy one alone."""
+    cluster = gpu_nodes
+    shown = cluster.run(["scontrol", "show", "config"], as_root=True).stdout
+    conf = dict(
+        (k.strip(), v.strip()) for k, _, v in (line.partition("=") for line in shown.splitlines())
+    )
+    program = conf["HealthCheckProgram"]
+    assert program.endswith("/tfimage-health-check"), conf["HealthCheckProgram"]
+    assert "nohold_on_prolog_fail" in conf["SchedulerParameters"].split(",")
+
+    as_slurmd = ["env", "-i", "SLURMD_NODENAME=n1", program]
+    r = cluster.on_node("n1", as_slurmd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    cluster.assert_never_drained("n1")
+
+    faulty = healthy_node("n1")
+    faulty["devices"][3] = gpu(3, uuid=faulty["devices"][3]["uuid"], retired_pending=1)
+    _set_gpus(cluster, "n1", faulty)
+    r = cluster.on_node("n1", as_slurmd)
+    assert r.returncode == 2, r.stdout + r.stderr
+    state, reason = _state_and_reason(cluster, "n1")
+    assert "drain" in state and reason.startswith("tfimage: gpu3 GPU-"), (state, reason)
+    cluster.assert_never_drained("n2")

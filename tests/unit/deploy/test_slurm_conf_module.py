@@ -87,3 +87,30 @@ def test_an_older_link_that_ran_after_tfimages_is_renamed_to_run_first(
     (e / "00-site-epilog").symlink_to("/usr/local/sbin/site-epilog")  # both: leave it
     renames = mod.renamed_site_links({"Prolog": str(p), "Epilog": str(e)})
     assert renames == {str(p / "00-site-prolog"): str(p / "99-site-prolog")}
+
+
+def test_a_gpu_fault_requeues_instead_of_holding_and_other_parameters_stay(
+    mod: ModuleType,
+) -> None:
+    text, _ = mod.plan(
+        "SchedulerParameters=bf_window=2880,defer\n", "/p", "/e", ["Alloc"],
+        ["nohold_on_prolog_fail"],
+    )  # fmt: skip
+    assert "SchedulerParameters=bf_window=2880,defer,nohold_on_prolog_fail\n" in text
+    again, _ = mod.plan(text, "/p", "/e", ["Alloc"], ["nohold_on_prolog_fail"])
+    assert again == text
+    fresh, _ = mod.plan("ClusterName=x\n", "/p", "/e", ["Alloc"], ["nohold_on_prolog_fail"])
+    assert fresh.splitlines()[-1] == "SchedulerParameters=nohold_on_prolog_fail"
+
+
+def test_the_gpu_health_check_is_set_only_where_the_site_has_none(mod: ModuleType) -> None:
+    hc = "/usr/local/lib/tfimage/tfimage-health-check"
+    text, extra = mod.plan("ClusterName=x\n", "/p", "/e", ["Alloc"], [], hc, 600)
+    assert f"HealthCheckProgram={hc}\nHealthCheckInterval=600\n" in text
+    assert extra["health_check_kept"] is None
+    assert mod.plan(text, "/p", "/e", ["Alloc"], [], hc, 600)[0] == text
+    site = "ClusterName=x\nHealthCheckProgram=/usr/sbin/nhc\nHealthCheckInterval=300\n"
+    text, extra = mod.plan(site, "/p", "/e", ["Alloc"], [], hc, 600)
+    assert "HealthCheckProgram=/usr/sbin/nhc\n" in text and hc not in text
+    assert "HealthCheckInterval=300\n" in text and "600" not in text
+    assert extra["health_check_kept"] == "/usr/sbin/nhc"

@@ -140,7 +140,7 @@ def test_charliecloud_binds_the_driver_files_read_only_after_the_users_binds() -
 
 @pytest.mark.parametrize("bad", [["lib"], "/x", ["/a/../b"], [1]])
 def test_the_driver_list_in_the_config_is_checked(bad: object) -> None:
-    with pytest.raises(ConfigError, match="gpu.driver_libs"):
+    with pytest.raises(ConfigError, match=r"gpu\.driver_libs"):
         config_from_mapping({"gpu": {"driver_libs": bad}})
 
 

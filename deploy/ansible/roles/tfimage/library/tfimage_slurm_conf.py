@@ -11,6 +11,10 @@ Prolog= and Epilog= become prolog.d-style globs (Slurm >= 21.08 runs every match
   runs before tfimage's 50-tfimage.  A ``00-site-<kind>`` link an older tfimage
   made (which ran after tfimage's) is renamed.
 PrologFlags gains ``Alloc`` (and anything else asked for); other flags are kept.
+SchedulerParameters gains what is asked (``nohold_on_prolog_fail``: a job whose
+prolog found a GPU fault is requeued to run elsewhere, not held); other values kept.
+HealthCheckProgram (and HealthCheckInterval) are set only where the site has none:
+a site's own health check (NHC, ...) is never replaced, and the result says so.
 Nothing else in the file is touched.  Supports check mode and diff.  Returns the
 file's PrologEpilogTimeout (seconds, or null when unset: Slurm then waits for ever)
 so that the role can keep tfimage's hook deadline below it.
@@ -36,6 +40,19 @@ options:
     type: list
     elements: str
     default: [Alloc]
+  scheduler_parameters:
+    description: values SchedulerParameters must contain
+    type: list
+    elements: str
+    default: []
+  health_check_program:
+    description: HealthCheckProgram to set where the site has none (empty for none)
+    type: str
+    default: ""
+  health_check_interval:
+    description: HealthCheckInterval set with it (seconds; 0 runs it only when asked)
+    type: int
+    default: 300
 """
 
 _GLOB = re.compile(r"[*?\[]")
@@ -70,7 +87,15 @@ def _value(line: str) -> str:
     return line.split("#", 1)[0].split("=", 1)[1].strip()
 
 
-def plan(text: str, prolog_dir: str, epilog_dir: str, flags: list[str]) -> tuple[str, dict]:
+def plan(
+    text: str,
+    prolog_dir: str,
+    epilog_dir: str,
+    flags: list[str],
+    scheduler: tuple[str, ...] | list[str] = (),
+    health_program: str = "",
+    health_interval: int = 300,
+) -> tuple[str, dict]:
     lines = text.splitlines()
     out = {"links": {}, "dirs": {}}
     for key, d in (("Prolog", prolog_dir), ("Epilog", epilog_dir)):
@@ -93,15 +118,34 @@ def plan(text: str, prolog_dir: str, epilog_dir: str, flags: list[str]) -> tuple
             ]
         else:
             lines[i] = f"{key}={want}"
-    i = _key_line(lines, "PrologFlags")
-    if i is None:
-        lines.append("PrologFlags=" + ",".join(flags))
-    else:
-        have = [f for f in _value(lines[i]).split(",") if f]
-        missing = [f for f in flags if f.lower() not in {h.lower() for h in have}]
-        if missing:
-            lines[i] = "PrologFlags=" + ",".join(have + missing)
+    _ensure_values(lines, "PrologFlags", flags)
+    _ensure_values(lines, "SchedulerParameters", list(scheduler))
+    out["health_check_kept"] = None
+    if health_program:
+        i = _key_line(lines, "HealthCheckProgram")
+        if i is None:
+            lines.append(f"HealthCheckProgram={health_program}")
+            if _key_line(lines, "HealthCheckInterval") is None:
+                lines.append(f"HealthCheckInterval={health_interval}")
+        elif _value(lines[i]) != health_program:
+            out["health_check_kept"] = _value(lines[i])
     return "\n".join(lines) + "\n", out
+
+
+def _ensure_values(lines: list[str], key: str, wanted: list[str]) -> None:
+    """``key``'s comma-separated list gains what it lacks of ``wanted`` (case-blind)."""
+    if not wanted:
+        return
+    i = _key_line(lines, key)
+    if i is None:
+        lines.append(f"{key}=" + ",".join(wanted))
+        return
+    have = [f for f in _value(lines[i]).split(",") if f]
+    # SchedulerParameters' values may carry "=N"; compare on the name
+    names = {h.split("=", 1)[0].lower() for h in have}
+    missing = [f for f in wanted if f.split("=", 1)[0].lower() not in names]
+    if missing:
+        lines[i] = f"{key}=" + ",".join(have + missing)
 
 
 def main() -> None:
@@ -111,6 +155,9 @@ def main() -> None:
             "prolog_dir": {"type": "path", "required": True},
             "epilog_dir": {"type": "path", "required": True},
             "prolog_flags": {"type": "list", "elements": "str", "default": ["Alloc"]},
+            "scheduler_parameters": {"type": "list", "elements": "str", "default": []},
+            "health_check_program": {"type": "str", "default": ""},
+            "health_check_interval": {"type": "int", "default": 300},
         },
         supports_check_mode=True,
     )
@@ -120,7 +167,15 @@ def main() -> None:
             before = f.read()
     except OSError as e:
         module.fail_json(msg=f"tfimage: cannot read {p['path']}: {e.strerror}")
-    after, extra = plan(before, p["prolog_dir"], p["epilog_dir"], p["prolog_flags"])
+    after, extra = plan(
+        before,
+        p["prolog_dir"],
+        p["epilog_dir"],
+        p["prolog_flags"],
+        p["scheduler_parameters"],
+        p["health_check_program"],
+        p["health_check_interval"],
+    )
     changed = after != before
     links_to_make = {
         link: target
@@ -139,6 +194,7 @@ def main() -> None:
         "epilog_dir": extra["dirs"]["Epilog"],
         "site_links": extra["links"],
         "site_links_renamed": renames,
+        "health_check_kept": extra["health_check_kept"],
         "diff": {
             "before": before,
             "after": after,
