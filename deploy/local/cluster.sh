@@ -499,7 +499,10 @@ run_daemon() {
 
 start_slurm() {
     # A fresh controller state each time: the two Slurm generations write it differently.
-    rm -rf "$STATE/ctld"
+    # Job ids start again at 1 with a fresh slurmctld state: the nodes' spools must go
+    # too, or a slurmd that remembers job 4's credential from the last cluster skips
+    # the new job 4's prolog ("reissued job credential for job 4").
+    rm -rf "$STATE/ctld" "$STATE/spool"
     mkdir -p "$STATE/ctld" "$ROOT/var/cache/tfimage" "$ROOT/run/tfimage" "$ROOT/var/log/tfimage"
     SLURM_CONF=$ETC/slurm.conf in_root slurmctld -i \
         || die "slurmctld did not start: $(tail -1 "$LOGS/slurmctld.log" 2>/dev/null)"
