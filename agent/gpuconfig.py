@@ -8,7 +8,8 @@ Unknown keys are errors, as in the rest of the config.
       all_jobs: true        # GPU jobs without --tf-image are checked too
       scope: job            # job: the job's GPUs; node: every GPU of the node
       mapping: index        # how Slurm names a GPU: index, uuid or minor
-      shared: false         # this node shares GPUs through gres/shard or gres/mps
+      shared: false         # GPUs shared through gres/shard or gres/mps: true, or the
+                            # nodes that do (names or globs: [n1, "gpu-s*"])
       retired_pages_max: 60
       retired_pages_dbe_max: 15
       remapped_rows_max: null
@@ -22,7 +23,9 @@ Unknown keys are errors, as in the rest of the config.
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -67,8 +70,10 @@ class GpuPolicy:
     # (DESIGN.md, GPUs and NVML).  UUIDs in the allocation are taken as UUIDs in any mode.
     mapping: str = "index"
     # Slurm does not keep gres/shard (or gres/mps) and whole-GPU allocations apart on
-    # one GPU, so on such a node another job's processes are legitimate.
-    shared: bool = False
+    # one GPU, so on such a node another job's processes are legitimate.  The prolog
+    # cannot tell a shard job from a whole-GPU one (both get SLURM_JOB_GPUS alone, seen
+    # on 22.05.8), so this is the node's: true, or the names (globs) of the nodes.
+    shared: bool | tuple[str, ...] = False
     # DCGM_LIMIT_MAX_RETIRED_PAGES = 60 and its soft limit 15 for double-bit pages
     # (DCGM, dcgm_gpu_hardware_limits.h, "defined via bug 1665722").
     retired_pages_max: int = 60
@@ -100,11 +105,18 @@ class GpuPolicy:
     # empty: found in the host's linker cache, as nvidia-container-cli finds them.
     driver_libs: tuple[str, ...] = ()
 
+    def shares(self, node: str) -> bool:
+        """Whether ``node`` shares its GPUs between jobs (gres/shard, gres/mps)."""
+        if isinstance(self.shared, bool):
+            return self.shared
+        return any(fnmatch.fnmatchcase(node, pattern) for pattern in self.shared)
+
     def severity_of(self, check: str) -> str:
         return self.severity.get(check, CHECKS[check])
 
 
-_BOOLS = {"checks", "all_jobs", "shared", "nvccli"}
+_BOOLS = {"checks", "all_jobs", "nvccli"}
+_NODE = re.compile(r"[A-Za-z0-9_.*?\[\]-]{1,64}\Z")
 _COUNTS = {"retired_pages_max", "retired_pages_dbe_max", "remapped_rows_max"}
 
 
@@ -129,6 +141,18 @@ def _one(key: str, value: Any, where: str) -> Any:
             isinstance(x, int) and not isinstance(x, bool) and 0 < x < 1 << 16 for x in value
         ):
             raise ConfigError(f"{where}: 'gpu.xids' must be a list of XID numbers")
+        return tuple(value)
+    if key == "shared":
+        if isinstance(value, bool):
+            return value
+        if (
+            not isinstance(value, list)
+            or len(value) > 256
+            or not all(isinstance(n, str) and _NODE.match(n) for n in value)
+        ):
+            raise ConfigError(
+                f"{where}: 'gpu.shared' must be true, false or a list of node names (globs)"
+            )
         return tuple(value)
     if key == "driver_libs":
         if (

@@ -56,11 +56,14 @@ static int batch_in_container(char **env)
 	}
 }
 
-/* Whether Slurm allocated GPUs to the step (its gres plugin sets these). */
+/* Whether Slurm allocated GPUs to the step (its gres plugins set these).  A
+ * gres/shard step gets GPU_DEVICE_ORDINAL and SLURM_SHARDS_ON_NODE alone (seen on
+ * 22.05.8): no CUDA_VISIBLE_DEVICES, yet it needs the driver as much. */
 static int step_has_gpus(char **env)
 {
 	static const char *const names[] = { "SLURM_STEP_GPUS", "SLURM_JOB_GPUS",
-					     "CUDA_VISIBLE_DEVICES", NULL };
+					     "CUDA_VISIBLE_DEVICES", "SLURM_SHARDS_ON_NODE",
+					     NULL };
 
 	for (int i = 0; names[i]; i++) {
 		const char *v = env_get(env, names[i]);

@@ -61,7 +61,7 @@ def _report(args: argparse.Namespace, got: Check, extra: dict[str, Any]) -> None
 def cmd_gpu_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     alloc = parse_gpus(args.gpus)
-    got = check(cfg, alloc, expect_idle=args.idle)
+    got = check(cfg, alloc, expect_idle=args.idle, node_name=_node(args))
     extra: dict[str, Any] = {}
     if args.health_check and got.verdict.drains:
         node = _node(args)

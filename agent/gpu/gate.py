@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,13 +53,17 @@ def check(
     expect_idle: bool,
     shared: bool = False,
     advance: bool = False,
+    node_name: str = "",
 ) -> Check:
     """Judge the allocated GPUs (every GPU with ``scope: node``, or with no allocation
     given, as an operator's check does).  ``expect_idle``: no process belongs on the
     allocated ones (other GPUs of the node may be busy with other jobs).  ``advance``:
     move the XID cursors past what this check saw (the prolog and a health check,
-    which act on it; an operator's look must not swallow an XID)."""
+    which act on it; an operator's look must not swallow an XID).  ``node_name``:
+    this node, for ``gpu.shared``'s list (a node that shares GPUs expects others'
+    processes on them)."""
     policy = cfg.gpu
+    shared = shared or policy.shares(node_name or socket.gethostname().split(".")[0])
     # A MIG instance's UUID names no whole GPU: such a job's GPUs are checked whole.
     mig = any(t.startswith("MIG-") for t in alloc)
     whole = tuple(t for t in alloc if not t.startswith("MIG-"))
@@ -110,7 +115,7 @@ def prolog_gate(
     """The prolog's check of the job's GPUs.  Drains the node and raises NodeFault on
     a drain-class finding; otherwise saves the baseline and returns the check.
     ``shared``: the job shares its GPUs (gres/mps), so other processes are legitimate."""
-    got = check(cfg, alloc, expect_idle=True, shared=shared, advance=True)
+    got = check(cfg, alloc, expect_idle=True, shared=shared, advance=True, node_name=node_name)
     for f in got.verdict.warnings:
         log.warning("job %s: gpu: %s", job_id, f.reason())
     skipped = [f for f in got.verdict.findings if f.severity == "skipped"]

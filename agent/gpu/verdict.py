@@ -118,7 +118,7 @@ def _gpu_findings(
     if v.get("ecc_dbe", 0) > 0:
         yield "ecc_dbe", f"volatile uncorrected ECC: {v['ecc_dbe']}"
     procs = v.get("processes", [])
-    if procs and expect_idle and not policy.shared:
+    if procs and expect_idle:
         shown = ",".join(str(p) for p in procs[:4]) + ("..." if len(procs) > 4 else "")
         yield "processes", f"{len(procs)} compute process(es) from outside the job: pid {shown}"
     links = v.get("nvlinks", [])

@@ -308,9 +308,10 @@ CONF
     install -d -o "$TEST_USER" -m 0700 "$home/.config" "$home/.config/tfimage"
     write_credentials "$home/.config/tfimage/credentials.yaml" "$TEST_USER"
 
-    local nodes=""
+    local nodes="" gres
     for n in "${NODES[@]}"; do
-        nodes+="NodeName=$n NodeAddr=$(node_addr "$n") CPUs=4 RealMemory=4000 Gres=gpu:4 State=UNKNOWN"$'\n'
+        gres=$(node_gres "$n")
+        nodes+="NodeName=$n NodeAddr=$(node_addr "$n") CPUs=4 RealMemory=4000 Gres=$gres State=UNKNOWN"$'\n'
     done
     write_gpus
     cat >"$ETC/slurm.conf" <<CONF
@@ -337,7 +338,7 @@ JobAcctGatherType=jobacct_gather/none
 MpiDefault=none
 MpiParams=ports=20000-20999
 # Four GPUs per node (write_gpus: device files and a fake NVML; no real GPU here).
-GresTypes=gpu
+GresTypes=gpu,shard,mps
 SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
@@ -355,6 +356,16 @@ $nodes
 PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
     chmod 0644 "$ETC/slurm.conf"
+}
+
+# The first node shares its GPUs as gres/shard (8, two per GPU), the second through
+# gres/mps (100 per GPU); both also hand out whole GPUs.
+node_gres() {
+    case "$1" in
+        "${NODES[0]}") echo "gpu:4,shard:8" ;;
+        "${NODES[1]}") echo "gpu:4,mps:400" ;;
+        *) echo "gpu:4" ;;
+    esac
 }
 
 # GPUs without hardware, what tests/cluster/test_gpus.py runs on:
@@ -387,6 +398,10 @@ print(json.dumps(healthy_node(sys.argv[2])))' "$REPO/tests" "$n" >"$g/state-$n.j
     : >"$ETC/gres.conf"
     for n in "${NODES[@]}"; do
         echo "NodeName=$n Name=gpu File=$g/dev/nvidia[0-3]" >>"$ETC/gres.conf"
+        case "$(node_gres "$n")" in
+            *shard:8) echo "NodeName=$n Name=shard Count=8" >>"$ETC/gres.conf" ;;
+            *mps:400) echo "NodeName=$n Name=mps Count=400 File=$g/dev/nvidia[0-3]" >>"$ETC/gres.conf" ;;
+        esac
     done
     chmod 0644 "$ETC/gres.conf"
 }
@@ -435,7 +450,7 @@ tfimage_default_binds: ["$STATE/data:/mnt"]
 tfimage_bind_prefixes: [/home, /data, "$STATE/data"]
 tfimage_maintenance: cron
 # The fake GPUs' kernel log, and their driver for charliecloud steps (write_gpus)
-tfimage_gpu: {kmsg: "$STATE/gpu/kmsg", driver_libs: ["$STATE/gpu/lib/libnvidia-ml.so.1"]}
+tfimage_gpu: {kmsg: "$STATE/gpu/kmsg", driver_libs: ["$STATE/gpu/lib/libnvidia-ml.so.1"], shared: [n1]}
 # The role's HealthCheckProgram, run by test_gpus.py as slurmd runs it (interval 0:
 # never on its own, so that no test's GPU state is judged behind its back).
 tfimage_gpu_health_check: true

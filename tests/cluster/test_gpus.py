@@ -180,3 +180,79 @@ def test_the_roles_health_check_drains_a_faulty_node_as_slurmd_would_run_it(
     state, reason = _state_and_reason(cluster, "n1")
     assert "drain" in state and reason.startswith("tfimage: gpu3 GPU-"), (state, reason)
     cluster.assert_never_drained("n2")
+
+
+def _busy(node: str, gpu_index: int) -> dict[str, Any]:
+    """The node's NVML state with a compute process on one GPU (another job's)."""
+    doc = healthy_node(node)
+    d = doc["devices"][gpu_index]
+    doc["devices"][gpu_index] = gpu(
+        gpu_index, uuid=d["uuid"], minor=gpu_index, processes=[{"pid": 4242, "mem": 1 << 30}]
+    )
+    return doc
+
+
+def test_shard_and_mps_jobs_beside_another_jobs_process_never_drain_but_a_whole_gpu_does(
+    gpu_nodes: Cluster, workdir: Path
+) -> None:
+    """n1 shares its GPUs as gres/shard (gpu.shared: [n1]), n2 through gres/mps: a
+    process on GPU 0 is another sharer's.  Two shard jobs on that GPU at once and an
+    MPS job there all run; a whole-GPU job on n2, which does not share, drains it."""
+    cluster = gpu_nodes
+    _set_gpus(cluster, "n1", _busy("n1", 0))
+    _set_gpus(cluster, "n2", _busy("n2", 0))
+    before = {n: len(cluster.hooks_log(n)) for n in ("n1", "n2")}
+    show = (
+        "echo ${CUDA_VISIBLE_DEVICES:-none} ${GPU_DEVICE_ORDINAL:-none}"
+        " ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-none};"
+        " test -e /usr/local/nvidia/lib64/libnvidia-ml.so.1 && echo driver; sleep 3"
+    )
+    jobs = []
+    for name, opts in (
+        ("shard-a", ["-w", "n1", "--gres=shard:1"]),
+        ("shard-b", ["-w", "n1", "--gres=shard:1"]),
+        ("mps", ["-w", "n2", "--gres=mps:50"]),
+    ):
+        sub = cluster.run(
+            ["sbatch", "--parsable", *opts, "--tf-image=tiny:1.0", "-o", f"{name}.txt",
+             "--wrap", show],
+            cwd=workdir,
+        )  # fmt: skip
+        assert sub.returncode == 0, sub.stderr
+        jobs.append(sub.stdout.strip().split(";")[0])
+    _wait(
+        "the three jobs to end",
+        lambda: not cluster.run(["squeue", "-h", "-j", ",".join(jobs)], as_root=True).stdout,
+    )
+    for job in jobs:
+        shown = cluster.run(["scontrol", "-o", "show", "job", job], as_root=True).stdout
+        assert "JobState=COMPLETED" in shown and "Restarts=0" in shown, shown
+    # Both shard jobs had GPU 0, where the other process is.  Inside the image the
+    # variables are as Slurm set them (22.05 gives a shard job GPU_DEVICE_ORDINAL and
+    # no CUDA_VISIBLE_DEVICES), and the driver is there.
+    for name in ("shard-a", "shard-b"):
+        words = (workdir / f"{name}.txt").read_text().split()
+        assert words[1:] == ["0", "none", "driver"], (name, words)
+    words = (workdir / "mps.txt").read_text().split()
+    assert words[0] == "0" and words[2] != "none" and words[3] == "driver", words
+    gates = [
+        line
+        for n in ("n1", "n2")
+        for line in cluster.hooks_log(n)[before[n] :]
+        if "gpu: 1 GPU(s) healthy" in line
+    ]
+    assert sorted(g.split("job ")[1].split(":")[0] for g in gates) == sorted(jobs), gates
+    cluster.assert_never_drained("n1")
+    cluster.assert_never_drained("n2")
+
+    # The same process before a whole-GPU job on a node that does not share: a fault.
+    sub = cluster.run(
+        ["sbatch", "--parsable", "-w", "n2", "--gres=gpu:1", "--wrap", "true"], cwd=workdir
+    )
+    job = sub.stdout.strip().split(";")[0]
+    _wait("n2 to drain", lambda: "drain" in _state_and_reason(cluster, "n2")[0])
+    assert _state_and_reason(cluster, "n2")[1] == (
+        f"tfimage: gpu0 {_busy('n2', 0)['devices'][0]['uuid']}: "
+        "1 compute process(es) from outside the job: pid 4242"
+    )
+    cluster.run(["scancel", job], as_root=True)

@@ -138,6 +138,10 @@ def test_a_leftover_process_drains_before_a_job_but_not_on_a_shared_gpu(
     ]
     # gres/shard (or gres/mps) on this node: the other sharers' processes are legitimate
     assert gpu_check(nvml, site(shared=True), "--idle", "--gpus=0")[0] == 0
+    # ... or named among the nodes that share (the prolog cannot tell a shard job)
+    sharing = site(shared=["gpu-s*", "n7"])
+    assert gpu_check(nvml, sharing, "--idle", "--gpus=0", "--node=gpu-s01")[0] == 0
+    assert gpu_check(nvml, sharing, "--idle", "--gpus=0", "--node=gpu-w01")[0] == 2
     # an operator's check of a busy node expects processes
     assert gpu_check(nvml, site(), "--gpus=0")[0] == 0
 
