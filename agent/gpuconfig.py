@@ -19,6 +19,7 @@ Unknown keys are errors, as in the rest of the config.
       severity: {persistence: "off"}   # any check: drain, warning or off
       nvccli: false         # apptainer: --nv --nvccli (nvidia-container-cli sets up the GPUs)
       driver_libs: []       # charliecloud: the driver's libraries (default: ldconfig -p)
+      cdi_spec: ""          # charliecloud: or the site's CDI spec (/etc/cdi/nvidia.yaml)
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ class GpuPolicy:
     # Charliecloud: the driver libraries bound into a GPU step (step/gpudriver.py);
     # empty: found in the host's linker cache, as nvidia-container-cli finds them.
     driver_libs: tuple[str, ...] = ()
+    # Or the site's CDI spec (nvidia-ctk cdi generate), where it keeps one.
+    cdi_spec: str = ""
 
     def shares(self, node: str) -> bool:
         """Whether ``node`` shares its GPUs between jobs (gres/shard, gres/mps)."""
@@ -168,9 +171,10 @@ def _one(key: str, value: Any, where: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 300:
             raise ConfigError(f"{where}: 'gpu.timeout' must be seconds from 0 to 300")
         return float(value)
-    if key == "kmsg":
-        if not isinstance(value, str) or not value.startswith("/"):
-            raise ConfigError(f"{where}: 'gpu.kmsg' must be an absolute path")
+    if key in ("kmsg", "cdi_spec"):
+        unset = key == "cdi_spec" and value == ""
+        if not isinstance(value, str) or not (value.startswith("/") or unset):
+            raise ConfigError(f"{where}: 'gpu.{key}' must be an absolute path")
         return value
     # severity
     if not isinstance(value, dict):

@@ -16,6 +16,9 @@ Where the libraries come from, the first that applies:
 
     gpu.driver_libs    the admin's list of files (the name in the container is the
                        file's own name: list the soname links, libcuda.so.1)
+    gpu.cdi_spec       the site's CDI spec (``nvidia-ctk cdi generate``, YAML or
+                       JSON): its mounts of those libraries, each bound under its
+                       soname (read from the file: the spec names libcuda.so.550.54.15)
     ldconfig -p        the host's linker cache, as nvidia-container-cli finds them:
                        its "compute" and "utility" libraries, for this machine's ABI
 
@@ -33,8 +36,11 @@ import shutil
 import stat
 from collections.abc import Iterable
 
+import yaml
+
 from tfimage.agent import toolrun
 from tfimage.agent.errors import RuntimeSetupError
+from tfimage.agent.step import elfname
 from tfimage.agent.step.runtime import Bind
 
 LIB_DIR = "/usr/local/nvidia/lib64"
@@ -75,9 +81,57 @@ def from_ldconfig(text: str, abi: str) -> dict[str, str]:
         name, tags, path = m.groups()
         if tags.split(",")[:2] != abi.split(",")[:2] or name in found:
             continue
-        if any(name.startswith(lib + ".") for lib in LIBS):
+        if _is_driver_lib(name):
             found[name] = path
     return found
+
+
+MAX_CDI_BYTES = 4 << 20
+
+
+def _is_driver_lib(name: str) -> bool:
+    return any(name.startswith(lib + ".") for lib in LIBS)
+
+
+def from_cdi(text: str, where: str) -> tuple[dict[str, str], dict[str, str]]:
+    """``(soname -> path, tool -> path)`` from a CDI spec's mounts (the spec-wide
+    ``containerEdits`` and each device's): the driver's libraries and tools only."""
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        why = " ".join(str(e).split())[:160]
+        raise RuntimeSetupError(f"gpu: CDI spec {where}: not YAML or JSON ({why})") from None
+    if not isinstance(doc, dict):
+        raise RuntimeSetupError(f"gpu: CDI spec {where}: not a CDI spec")
+    edits = [doc.get("containerEdits")]
+    devices = doc.get("devices")
+    if isinstance(devices, list):
+        edits += [d.get("containerEdits") for d in devices if isinstance(d, dict)]
+    libs: dict[str, str] = {}
+    tools: dict[str, str] = {}
+    for edit in edits:
+        mounts = edit.get("mounts") if isinstance(edit, dict) else None
+        for m in mounts if isinstance(mounts, list) else []:
+            host = m.get("hostPath") if isinstance(m, dict) else None
+            if not isinstance(host, str) or not host.startswith("/"):
+                continue
+            name = os.path.basename(host)
+            if name in BINS:
+                tools.setdefault(name, host)
+            elif _is_driver_lib(name):
+                libs.setdefault(elfname.soname(host) or name, host)
+    return libs, tools
+
+
+def _read_cdi(path: str) -> str:
+    try:
+        with open(path, "rb") as f:  # the admin's file, not a job's
+            data = f.read(MAX_CDI_BYTES + 1)
+    except OSError as e:
+        raise RuntimeSetupError(f"gpu: CDI spec {path}: {e.strerror}") from None
+    if len(data) > MAX_CDI_BYTES:
+        raise RuntimeSetupError(f"gpu: CDI spec {path}: larger than {MAX_CDI_BYTES} bytes")
+    return data.decode("utf-8", errors="replace")
 
 
 def _trusted(path: str) -> str | None:
@@ -107,28 +161,34 @@ def _binds(pairs: Iterable[tuple[str, str]]) -> list[Bind]:
 
 
 def driver_binds(
-    driver_libs: tuple[str, ...] = (), ldconfig_output: str | None = None
+    driver_libs: tuple[str, ...] = (),
+    cdi_spec: str = "",
+    ldconfig_output: str | None = None,
 ) -> list[Bind]:
     """The binds that put the host's driver into a GPU step's container.
 
     ``ldconfig_output``: ``ldconfig -p``'s text, read here when not given.
     """
+    tools: dict[str, str] = {}
     if driver_libs:
         libs = {os.path.basename(p): p for p in driver_libs}
+    elif cdi_spec:
+        libs, tools = from_cdi(_read_cdi(cdi_spec), cdi_spec)
     else:
         if ldconfig_output is None:
             ldconfig_output = toolrun.run(
                 ["ldconfig", "-p"], timeout=LDCONFIG_TIMEOUT, what="finding the GPU driver"
             )
-        abi = ABI.get(platform.machine(), "")
-        libs = from_ldconfig(ldconfig_output, abi)
+        libs = from_ldconfig(ldconfig_output, ABI.get(platform.machine(), ""))
     if not any(n.startswith(("libcuda.so.", "libnvidia-ml.so.")) for n in libs):
         raise RuntimeSetupError(
             "gpu: the step has GPUs but this node has no NVIDIA driver library "
-            "(neither libcuda.so.1 nor libnvidia-ml.so.1 in gpu.driver_libs or ldconfig -p)"
+            "(neither libcuda.so.1 nor libnvidia-ml.so.1 in gpu.driver_libs, "
+            "gpu.cdi_spec or ldconfig -p)"
         )
     pairs = [(f"{LIB_DIR}/{name}", path) for name, path in sorted(libs.items())]
     for name in BINS:
-        if path := shutil.which(name, path="/usr/bin:/usr/sbin:/bin:/sbin"):
+        path = tools.get(name) or shutil.which(name, path="/usr/bin:/usr/sbin:/bin:/sbin")
+        if path:
             pairs.append((f"{BIN_DIR}/{name}", path))
     return _binds(pairs)

@@ -205,7 +205,7 @@ def _step_argv(
         binds.append(Bind(str(Path(script).parent), str(Path(script).parent), read_only=True))
     driver: tuple[Bind, ...] = ()
     if req.gpus and runtime.name == "charliecloud":
-        driver = tuple(driver_binds(cfg.gpu.driver_libs))
+        driver = tuple(driver_binds(cfg.gpu.driver_libs, cfg.gpu.cdi_spec))
     spec = StepSpec(
         workdir=workdir, home=_home_of(req.uid), binds=tuple(binds), gpus=req.gpus, driver=driver
     )

@@ -13,12 +13,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import yaml
 from gpus import SOURCE, node
 
 from support import build_sif, need
 from tfimage.agent.config import config_from_mapping
 from tfimage.agent.errors import ConfigError, RuntimeSetupError
 from tfimage.agent.step import imagemount
+from tfimage.agent.step.elfname import soname
 from tfimage.agent.step.gpudriver import ABI, BIN_DIR, LIB_DIR, driver_binds, from_ldconfig
 from tfimage.agent.step.plan import DRIVER_LIB_DIR
 from tfimage.agent.step.runtime import Bind, Charliecloud, StepSpec
@@ -212,3 +214,70 @@ def test_a_gpu_step_in_charliecloud_sees_the_nodes_gpus_through_the_bound_driver
     finally:
         imagemount.release_job(str(work / "state"), "77")
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _cdi(driver: Path, as_yaml: bool) -> str:
+    """A CDI spec shaped as ``nvidia-ctk cdi generate`` writes one: the versioned
+    files bound at their own paths, device nodes per GPU, hooks that make links."""
+    mounts = [
+        {
+            "hostPath": str(driver / f"{lib}.so.550.54.15"),
+            "containerPath": str(driver / f"{lib}.so.550.54.15"),
+            "options": ["ro", "nosuid", "nodev", "bind"],
+        }
+        for lib in ("libcuda", "libnvidia-ml", "libnvidia-glcore")
+    ]
+    doc = {
+        "cdiVersion": "0.5.0",
+        "kind": "nvidia.com/gpu",
+        "devices": [{"name": "0", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}]}}],
+        "containerEdits": {
+            "env": ["NVIDIA_VISIBLE_DEVICES=void"],
+            "deviceNodes": [{"path": "/dev/nvidiactl"}],
+            "hooks": [
+                {
+                    "hookName": "createContainer",
+                    "path": "/usr/bin/nvidia-cdi-hook",
+                    "args": ["nvidia-cdi-hook", "create-symlinks", "--link", "x::y"],
+                }
+            ],
+            "mounts": mounts,
+        },
+    }
+    return yaml.safe_dump(doc) if as_yaml else json.dumps(doc)
+
+
+@root_only
+@pytest.mark.parametrize("as_yaml", [True, False], ids=["yaml", "json"])
+def test_a_cdi_spec_gives_the_libraries_under_the_sonames_their_files_carry(
+    driver: Path, tmp_path: Path, as_yaml: bool
+) -> None:
+    spec = tmp_path / "nvidia.yaml"
+    spec.write_text(_cdi(driver, as_yaml))
+    libs = {b.dst: b.src for b in driver_binds(cdi_spec=str(spec)) if b.dst.startswith(LIB_DIR)}
+    assert libs == {
+        f"{LIB_DIR}/libcuda.so.1": str(driver / "libcuda.so.550.54.15"),
+        f"{LIB_DIR}/libnvidia-ml.so.1": str(driver / "libnvidia-ml.so.550.54.15"),
+    }  # the graphics library stays out
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [("[1, 2]", "not a CDI spec"), ("{a: [", "not YAML or JSON")],
+)
+def test_a_cdi_spec_that_is_not_one_is_a_one_line_error(
+    tmp_path: Path, text: str, says: str
+) -> None:
+    spec = tmp_path / "nvidia.yaml"
+    spec.write_text(text)
+    with pytest.raises(RuntimeSetupError, match=says) as e:
+        driver_binds(cdi_spec=str(spec))
+    assert "\n" not in str(e.value).strip()
+
+
+def test_an_elf_files_soname_is_read_from_it_and_anything_else_has_none(
+    driver_build: Path,
+) -> None:
+    assert soname(str(driver_build / "libcuda.so.550.54.15")) == "libcuda.so.1"
+    assert soname("/etc/hostname") is None
+    assert soname(str(SOURCE)) is None
