@@ -250,10 +250,13 @@ def flock_waiters(path: Path) -> int:
     )
 
 
-def wait_for(check: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
-    """Poll ``check`` until it holds (or fail the test after ``timeout`` s)."""
+def wait_for(
+    check: Callable[[], object], timeout: float = 30.0, what: str = "", interval: float = 0.02
+) -> None:
+    """Poll ``check`` every ``interval`` s until it holds (or fail the test after
+    ``timeout`` s).  A check that asks Slurm wants a longer interval than 20 ms."""
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what or check}")
-        time.sleep(0.02)
+        time.sleep(interval)

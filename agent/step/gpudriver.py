@@ -36,8 +36,6 @@ import shutil
 import stat
 from collections.abc import Iterable
 
-import yaml
-
 from tfimage.agent import toolrun
 from tfimage.agent.errors import RuntimeSetupError
 from tfimage.agent.step import elfname
@@ -96,6 +94,8 @@ def _is_driver_lib(name: str) -> bool:
 def from_cdi(text: str, where: str) -> tuple[dict[str, str], dict[str, str]]:
     """``(soname -> path, tool -> path)`` from a CDI spec's mounts (the spec-wide
     ``containerEdits`` and each device's): the driver's libraries and tools only."""
+    import yaml  # only where a site keeps a CDI spec: 25 ms a step otherwise
+
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,8 @@ from typing import Any
 import pytest
 from conftest import Cluster
 from gpus import gpu, healthy_node
+
+from support import wait_for
 
 TFIMAGE = "/opt/tfimage/bin/tfimage"
 
@@ -30,12 +31,7 @@ def _state_and_reason(cluster: Cluster, node: str) -> tuple[str, str]:
 
 
 def _wait(what: str, check: Callable[[], object], timeout: float = 150) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+    wait_for(check, timeout, what, interval=0.5)  # each check is a Slurm command
 
 
 @pytest.fixture
