@@ -333,7 +333,7 @@ SlurmdLogFile=$LOGS/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/cgroup
 JobAcctGatherType=jobacct_gather/none
 MpiDefault=none
 MpiParams=ports=20000-20999
@@ -356,6 +356,10 @@ $nodes
 PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
     chmod 0644 "$ETC/slurm.conf"
+    # A job's cgroup may open only its own GPUs' device files (gres.conf's File=), as
+    # on a real site: NVML inside the job lists those alone (the fake does as NVML).
+    printf 'ConstrainDevices=yes\n' >"$ETC/cgroup.conf"
+    chmod 0644 "$ETC/cgroup.conf"
 }
 
 # The first node shares its GPUs as gres/shard (8, two per GPU), the second through
@@ -369,7 +373,9 @@ node_gres() {
 }
 
 # GPUs without hardware, what tests/cluster/test_gpus.py runs on:
-#   $STATE/gpu/dev/nvidia0..3   character devices (major 195) for gres.conf's File=
+#   $STATE/gpu/dev/nvidia0..3   character devices (major 195) for gres.conf's File=:
+#                               a job's device cgroup (ConstrainDevices) opens its
+#                               own alone, and the fake NVML lists only those
 #   $STATE/gpu/lib/             the fake libnvidia-ml.so.1 (tests/fakenvml), found by
 #                               the node daemons and slurmd through LD_LIBRARY_PATH
 #   $STATE/gpu/state-nN.json    each node's NVML state (the fake reads its hostname's)
@@ -381,7 +387,7 @@ write_gpus() {
     chmod 0755 "$g" "$g/dev" "$g/lib"
     for i in 0 1 2 3; do mknod -m 0666 "$g/dev/nvidia$i" c 195 "$i"; done
     : >"$g/kmsg"
-    local cc=(gcc -shared -fPIC -O2 -Wall -DFAKE_NVML_DIR="\"$g\"")
+    local cc=(gcc -shared -fPIC -O2 -Wall -DFAKE_NVML_DIR="\"$g\"" -DFAKE_NVML_DEV_DIR="\"$g/dev\"")
     if [ -n "$ROOT" ]; then  # built by the tree that loads it (its glibc)
         cp "$src" "$ROOT/usr/src/fakenvml.c"
         chroot "$ROOT" "${cc[@]}" -o /usr/src/libnvidia-ml.so.1 /usr/src/fakenvml.c
@@ -445,8 +451,9 @@ tfimage_registry_credentials:
 tfimage_runtime: charliecloud
 tfimage_cache_dir: /var/cache/tfimage
 tfimage_state_dir: /run/tfimage
-# The seed's default mount, with the site's data at $STATE/data standing in for /data.
-tfimage_default_binds: ["$STATE/data:/mnt"]
+# The seed's default mount, with the site's data at $STATE/data standing in for /data,
+# and the fake GPUs' device files, where a real node has them in /dev (ch-run binds it)
+tfimage_default_binds: ["$STATE/data:/mnt", "$STATE/gpu/dev:/gpudev"]
 tfimage_bind_prefixes: [/home, /data, "$STATE/data"]
 tfimage_maintenance: cron
 # The fake GPUs' kernel log, and their driver for charliecloud steps (write_gpus)

@@ -65,13 +65,14 @@ def test_a_gpu_step_in_the_image_keeps_the_gpus_slurm_gave_it(
     assert r.stdout.split()[0] == "gpus=", r.stdout  # no GPUs asked, none given
 
 
-def test_nvml_inside_the_container_answers_through_the_driver_tfimage_bound_in(
+def test_nvml_inside_the_container_sees_exactly_the_jobs_gpus_through_the_bound_driver(
     gpu_nodes: Cluster, workdir: Path
 ) -> None:
     """The host's driver (the fake NVML, gpu.driver_libs) is bound into a charliecloud
-    GPU step; a program in the image (tf-custom's glibc) loads it and reads the node's
-    GPUs.  Without device cgroups (task/none here) NVML lists all four of the node's,
-    as it would on hardware; the job's two are the ones CUDA_VISIBLE_DEVICES names."""
+    GPU step; a program in the image (tf-custom's glibc) loads it and reads the GPUs.
+    Slurm's ConstrainDevices lets the job's cgroup open only its own two device files
+    (bound at /gpudev, where a real node's /dev has them), so NVML lists exactly
+    those, numbered from 0, as the real library does."""
     cluster = gpu_nodes
     prog = workdir / "nvmlcount"
     src = Path(__file__).parents[1] / "fakenvml" / "nvmlcount.c"
@@ -79,13 +80,17 @@ def test_nvml_inside_the_container_answers_through_the_driver_tfimage_bound_in(
     state = workdir / "nvml-state.json"
     state.write_text(json.dumps(healthy_node("n2")))
     state.chmod(0o644)
-    show = f"FAKE_NVML_STATE={state} {prog}; echo gpus=$CUDA_VISIBLE_DEVICES"
+    show = (
+        f"FAKE_NVML_STATE={state} FAKE_NVML_DEV_DIR=/gpudev {prog}; echo gpus=$CUDA_VISIBLE_DEVICES"
+    )
     argv = ["srun", "-N1", "-w", "n2", "--tf-image=tf-custom:2.0", "sh", "-c", show]
     r = cluster.run([*argv[:4], "--gres=gpu:2", *argv[4:]], cwd=workdir, timeout=600)
     assert r.returncode == 0, r.stderr
-    lines = r.stdout.split()
     uuids = [d["uuid"] for d in healthy_node("n2")["devices"]]
-    assert lines[:5] == ["count=4", *uuids] and lines[5] == "gpus=0,1", r.stdout
+    assert r.stdout.split() == ["count=2", uuids[0], uuids[1], "gpus=0,1"], r.stdout
+    # Three GPUs asked, three seen: the count follows the allocation, not the node.
+    r = cluster.run([*argv[:4], "--gres=gpu:3", *argv[4:]], cwd=workdir, timeout=600)
+    assert r.stdout.split() == ["count=3", *uuids[:3], "gpus=0,1,2"], r.stdout
     r = cluster.run(argv, cwd=workdir, timeout=600)
     assert "no driver:" in r.stdout and r.stdout.split()[-1] == "gpus=", r.stdout
 

@@ -26,12 +26,19 @@
  *       "errors": {"nvmlDeviceGetRemappedRows": "FUNCTION_NOT_FOUND"}}]}
  *
  * A key left out answers NOT_SUPPORTED, as a GPU without the feature does; "errors"
- * makes any one function answer the named error instead.  The
+ * makes any one function answer the named error instead.
+ *
+ * As the real library does, a GPU whose device file this process may not open
+ * (EPERM: Slurm's ConstrainDevices denied it to the job's cgroup) is not listed, and
+ * the others are numbered from 0.  The files are DEV_DIR/nvidia<minor>: $FAKE_NVML_DEV_DIR,
+ * else FAKE_NVML_DEV_DIR given at build; a missing file hides nothing.  The
  * library needs nothing but libc, so it also works bound into a container.  No
  * _GNU_SOURCE: built on a newer glibc, it must still load under an older one (the
  * other Slurm generation's tree), and glibc >= 2.38 redirects GNU builds to
  * __isoc23_* symbols an older one lacks.
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -41,6 +48,9 @@
 
 #ifndef FAKE_NVML_DIR
 #define FAKE_NVML_DIR "."
+#endif
+#ifndef FAKE_NVML_DEV_DIR
+#define FAKE_NVML_DEV_DIR "/dev"
 #endif
 
 typedef int nvmlReturn_t;
@@ -178,6 +188,22 @@ static nvmlReturn_t error_code(const struct json *v)
 	return UNKNOWN;
 }
 
+/* Whether this process may open the GPU's device file (the device cgroup). */
+static int allowed(const struct json *dev)
+{
+	const struct json *minor = member(dev, "minor");
+	if (!minor || minor->type != J_NUM) return 1;
+	const char *dir = getenv("FAKE_NVML_DEV_DIR");
+	char path[PATH_MAX];
+	snprintf(path, sizeof path, "%s/nvidia%d", dir ? dir : FAKE_NVML_DEV_DIR, (int)minor->num);
+	int fd = open(path, O_RDWR | O_CLOEXEC);
+	if (fd >= 0) {
+		close(fd);
+		return 1;
+	}
+	return errno != EPERM;
+}
+
 static int load(void)
 {
 	const char *path = getenv("FAKE_NVML_STATE");
@@ -204,7 +230,8 @@ static int load(void)
 	const struct json *devs = member(&root, "devices");
 	ndevices = 0;
 	for (size_t i = 0; devs && devs->type == J_ARR && i < devs->nkids && i < 64; i++)
-		devices[ndevices++].j = &devs->kids[i];
+		if (allowed(&devs->kids[i]))
+			devices[ndevices++].j = &devs->kids[i];
 	return 0;
 }
 
