@@ -16,6 +16,7 @@ Unknown keys are errors, as in the rest of the config.
       xids: [48, 62, 64, 74, 79, 92, 95, 119, 120, 140]
       kmsg: /dev/kmsg
       timeout: 20           # seconds NVML may take before the gate calls the driver hung
+      slurm_bin: ""         # where scontrol and sinfo are, if not /usr/bin or /usr/sbin
       severity: {persistence: "off"}   # any check: drain, warning or off
       nvccli: false         # apptainer: --nv --nvccli (nvidia-container-cli sets up the GPUs)
       driver_libs: []       # charliecloud: the driver's libraries (default: ldconfig -p)
@@ -97,6 +98,9 @@ class GpuPolicy:
     # under Slurm's 60 s HealthCheckProgram kill; a driver that does not answer by then
     # is an "init" finding.
     timeout: float = 20.0
+    # Where the site's scontrol and sinfo are (/opt/slurm/bin); empty: the fixed PATH
+    # every root-side tool gets (/usr/sbin:/usr/bin:/sbin:/bin, toolrun.py).
+    slurm_bin: str = ""
     severity: dict[str, str] = field(default_factory=dict)
     # Apptainer's --nvccli: nvidia-container-cli, not Apptainer's own list of files,
     # puts the driver into the container (Apptainer's GPU guide: where the site has
@@ -171,8 +175,8 @@ def _one(key: str, value: Any, where: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 300:
             raise ConfigError(f"{where}: 'gpu.timeout' must be seconds from 0 to 300")
         return float(value)
-    if key in ("kmsg", "cdi_spec"):
-        unset = key == "cdi_spec" and value == ""
+    if key in ("kmsg", "cdi_spec", "slurm_bin"):
+        unset = key != "kmsg" and value == ""
         if not isinstance(value, str) or not (value.startswith("/") or unset):
             raise ConfigError(f"{where}: 'gpu.{key}' must be an absolute path")
         return value

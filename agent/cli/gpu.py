@@ -65,7 +65,7 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {}
     if args.health_check and got.verdict.drains:
         node = _node(args)
-        slurm.drain(node, got.verdict.drains[0].reason())
+        slurm.drain(node, got.verdict.drains[0].reason(), cfg.gpu.slurm_bin)
         extra["drained"] = node
     _report(args, got, extra)
     return got.verdict.status
@@ -74,7 +74,7 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
 def cmd_gpu_resume(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     node = _node(args)
-    st, reason = slurm.state(node)
+    st, reason = slurm.state(node, cfg.gpu.slurm_bin)
     if "drain" not in st:
         print(f"tfimage: gpu: {node} is {st}, not drained: nothing to resume")
         return 0
@@ -82,11 +82,11 @@ def cmd_gpu_resume(args: argparse.Namespace) -> int:
         raise TfimageError(
             f"gpu: {node} was drained by someone else ({reason[:80] or 'no reason'}); left alone"
         )
-    got = check(cfg, (), expect_idle=False)
+    got = check(cfg, (), expect_idle=False, node_name=node)
     if got.verdict.drains:
         _report(args, got, {"resumed": False})
         raise TfimageError(f"gpu: {node} still fails: {got.verdict.drains[0].reason()}")
-    slurm.resume(node)
+    slurm.resume(node, cfg.gpu.slurm_bin)
     if args.json:
         _report(args, got, {"resumed": True, "node": node, "was": reason})
     else:

@@ -18,6 +18,12 @@ _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 TIMEOUT = 15.0
 
 
+def _tool(name: str, slurm_bin: str) -> str:
+    """``name`` in the site's Slurm directory (gpu.slurm_bin), else found on the
+    fixed PATH of every root-side tool (toolrun.py)."""
+    return os.path.join(slurm_bin, name) if slurm_bin else name
+
+
 def _env() -> dict[str, str]:
     # The hook's own SLURM_CONF (slurmd's, or the operator's shell), never a job's.
     conf = os.environ.get("SLURM_CONF", "")
@@ -30,22 +36,28 @@ def check_node(node: str) -> str:
     return node
 
 
-def drain(node: str, reason: str) -> None:
+def drain(node: str, reason: str, slurm_bin: str = "") -> None:
     """Drain ``node`` with ``reason`` (which must start with ``tfimage:``)."""
     if not reason.startswith(PREFIX):
         raise ValueError("a tfimage drain's reason starts with tfimage:")
     run(
-        ["scontrol", "update", f"NodeName={check_node(node)}", "State=DRAIN", f"Reason={reason}"],
+        [
+            _tool("scontrol", slurm_bin),
+            "update",
+            f"NodeName={check_node(node)}",
+            "State=DRAIN",
+            f"Reason={reason}",
+        ],
         timeout=TIMEOUT,
         what="gpu: drain",
         env=_env(),
     )
 
 
-def state(node: str) -> tuple[str, str]:
+def state(node: str, slurm_bin: str = "") -> tuple[str, str]:
     """The node's state (``drained``, ``idle``...) and its reason ("" for none)."""
     out = run(
-        ["sinfo", "-h", "-N", "-n", check_node(node), "-o", "%T|%E"],
+        [_tool("sinfo", slurm_bin), "-h", "-N", "-n", check_node(node), "-o", "%T|%E"],
         timeout=TIMEOUT,
         what="gpu: node state",
         env=_env(),
@@ -61,9 +73,9 @@ def is_ours(reason: str) -> bool:
     return reason.startswith(PREFIX)
 
 
-def resume(node: str) -> None:
+def resume(node: str, slurm_bin: str = "") -> None:
     run(
-        ["scontrol", "update", f"NodeName={check_node(node)}", "State=RESUME"],
+        [_tool("scontrol", slurm_bin), "update", f"NodeName={check_node(node)}", "State=RESUME"],
         timeout=TIMEOUT,
         what="gpu: resume",
         env=_env(),

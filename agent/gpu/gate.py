@@ -131,7 +131,7 @@ def prolog_gate(
         first = drains[0]
         more = f" (and {len(drains) - 1} more)" if len(drains) > 1 else ""
         try:
-            slurm.drain(node_name, first.reason())
+            slurm.drain(node_name, first.reason(), cfg.gpu.slurm_bin)
         except TfimageError as e:  # the non-zero exit still makes Slurm drain it
             raise NodeFault(f"job {job_id}: {first.reason()}{more}; {e}") from None
         raise NodeFault(f"job {job_id}: drained {node_name}: {first.reason()}{more}")

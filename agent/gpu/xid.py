@@ -71,7 +71,7 @@ def parse_record(record: str) -> Xid | None:
     return Xid(int(m[2]), pci, int(x[4]), m[4].strip()[:300]) if pci else None
 
 
-def _records(path: Path) -> Iterator[str]:
+def records(path: Path) -> Iterator[str]:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         if stat.S_ISCHR(os.fstat(fd).st_mode):  # /dev/kmsg: one record per read
@@ -99,7 +99,7 @@ def _records(path: Path) -> Iterator[str]:
 
 def read_xids(path: Path) -> list[Xid]:
     """Every XID record in the log at ``path``, oldest first."""
-    return [x for x in map(parse_record, _records(path)) if x is not None]
+    return [x for x in map(parse_record, records(path)) if x is not None]
 
 
 def _boot_id() -> str:

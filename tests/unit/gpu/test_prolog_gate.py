@@ -127,3 +127,29 @@ def test_the_baseline_is_roots_alone_even_with_xids_off(
     assert hook("prolog", nvml, cfg, "--job=52", "--node=n1", "--gpus=0").returncode == 0
     for d in ("state/gpu", "state/gpu/jobs"):
         assert (tmp_path / d).stat().st_mode & 0o777 == 0o700, d
+
+
+def test_a_site_whose_slurm_lives_elsewhere_is_drained_with_its_own_scontrol(
+    nvml: FakeNvml, site: Callable[..., Path], tmp_path: Path
+) -> None:
+    """gpu.slurm_bin: the drain runs that directory's scontrol (here a stand-in that
+    records its arguments), not whatever the fixed PATH holds."""
+    bin_dir = tmp_path / "opt-slurm-bin"
+    bin_dir.mkdir()
+    record = tmp_path / "scontrol.args"
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\n')
+    scontrol.chmod(0o755)
+    doc = node(2)
+    doc["devices"][1] = gpu(1, ecc_dbe_volatile=1)
+    nvml.write(doc)
+    r = hook("prolog", nvml, site(slurm_bin=str(bin_dir)), "--job=46", "--node=n7", "--gpus=1")
+    assert r.returncode == 1
+    uuid = doc["devices"][1]["uuid"]
+    assert record.read_text().splitlines() == [
+        "update",
+        "NodeName=n7",
+        "State=DRAIN",
+        f"Reason=tfimage: gpu1 {uuid}: volatile uncorrected ECC: 1",
+    ]
+    assert "job 46: drained n7" in (tmp_path / "hooks.log").read_text()

@@ -5,16 +5,19 @@ other GPUs nor by an operator's look."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from conftest import drains, gpu_check, hook
 from gpus import FakeNvml, node
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tfimage.agent.gpu.xid import key, parse_record
+from tfimage.agent.gpu.xid import key, parse_record, read_xids, records
 
 
 def _xid(seq: int, bus: int, number: int, text: str = "GPU has fallen off the bus.") -> str:
@@ -119,3 +122,22 @@ def test_bus_ids_from_nvml_and_from_the_log_meet() -> None:
 def test_no_log_line_breaks_the_parser(text: str) -> None:
     got = parse_record(text)
     assert got is None or (got.xid > 0 and key(got.pci) == got.pci)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="writing /dev/kmsg needs root")
+def test_the_real_kernel_log_is_read_and_a_users_forged_xid_in_it_never_counts() -> None:
+    """/dev/kmsg itself (a record per read, non-blocking to its end): the forged
+    line is there, as the kernel stamps a write from user space (never facility 0),
+    and it is no XID."""
+    kmsg = Path("/dev/kmsg")
+    marker = f"tfimage-test-{uuid.uuid4().hex[:12]}"
+    forged = f"<3>NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus. {marker}"
+    try:
+        with open(kmsg, "w") as f:
+            f.write(forged + "\n")  # a record without its newline stays open
+    except OSError as e:
+        pytest.skip(f"/dev/kmsg is not writable here: {e.strerror}")
+    seen = [r for r in records(kmsg) if marker in r]
+    assert len(seen) == 1, "the record written was not read back"
+    assert int(seen[0].split(",", 1)[0]) >> 3 != 0  # not the kernel's facility
+    assert not [x for x in read_xids(kmsg) if x.pci == key("0000:3b:00.0")]
