@@ -32,7 +32,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-NVMLCOUNT = REPO / "tests" / "fakenvml" / "nvmlcount.c"
+sys.path.insert(0, str(REPO / "tests"))
+
+from gpus import nvmlcount_rootfs  # noqa: E402  (the image the unit test builds too)
+
 JOB = "1"
 
 
@@ -148,17 +151,7 @@ def _image(work: Path, fake_state: Path | None) -> Path:
     with the fake driver, its state: the fake reads it inside the container)."""
     from tfimage.agent.sif import build_commands
 
-    root = work / "rootfs"
-    for d in ("bin", "dev", "proc", "sys", "tmp", "etc"):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    prog = root / "bin" / "nvmlcount"
-    subprocess.run(["gcc", "-O2", "-o", str(prog), str(NVMLCOUNT)], check=True, timeout=120)
-    ldd = subprocess.run(["ldd", str(prog)], capture_output=True, text=True, check=True)
-    for word in ldd.stdout.split():
-        if word.startswith("/") and Path(word).exists():
-            dst = root / word.lstrip("/")
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(word, dst)
+    root = nvmlcount_rootfs(work / "rootfs")
     if fake_state:
         shutil.copy(fake_state, root / "etc" / "nvml-state.json")
     sif = work / "smoke.sif"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -93,3 +94,22 @@ def healthy_node(name: str, n: int = 4) -> dict[str, Any]:
         n,
         devices=[gpu(i, uuid=f"GPU-{tag:08x}-0000-4000-8000-{i:012x}", minor=i) for i in range(n)],
     )
+
+
+NVMLCOUNT = Path(__file__).parent / "fakenvml" / "nvmlcount.c"
+
+
+def nvmlcount_rootfs(root: Path) -> Path:
+    """A root filesystem holding ``/bin/nvmlcount`` (tests/fakenvml/nvmlcount.c, built
+    here) and the host libraries it links: a program that reads NVML in an image."""
+    for d in ("bin", "dev", "proc", "sys", "tmp", "etc"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    prog = root / "bin" / "nvmlcount"
+    subprocess.run(["gcc", "-O2", "-o", str(prog), str(NVMLCOUNT)], check=True, timeout=120)
+    ldd = subprocess.run(["ldd", str(prog)], capture_output=True, text=True, check=True)
+    for word in ldd.stdout.split():
+        if word.startswith("/") and Path(word).exists():
+            dst = root / word.lstrip("/")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(word, dst)
+    return root

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from gpus import SOURCE, node
+from gpus import SOURCE, node, nvmlcount_rootfs
 
 from support import build_sif, need
 from tfimage.agent.config import config_from_mapping
@@ -146,19 +146,6 @@ def test_the_driver_list_in_the_config_is_checked(bad: object) -> None:
         config_from_mapping({"gpu": {"driver_libs": bad}})
 
 
-def _image_with(program: Path, root: Path) -> None:
-    """A root filesystem holding ``program`` and the host libraries it links."""
-    for d in ("bin", "dev", "proc", "sys", "tmp", "etc"):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    shutil.copy(program, root / "bin" / program.name)
-    ldd = subprocess.run(["ldd", str(program)], capture_output=True, text=True, check=True)
-    for word in ldd.stdout.split():
-        if word.startswith("/") and Path(word).exists():
-            dst = root / word.lstrip("/")
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(word, dst)
-
-
 @root_only
 def test_a_gpu_step_in_charliecloud_sees_the_nodes_gpus_through_the_bound_driver(
     driver_build: Path,
@@ -174,11 +161,7 @@ def test_a_gpu_step_in_charliecloud_sees_the_nodes_gpus_through_the_bound_driver
         drv = work / "driver"
         shutil.copytree(driver_build, drv, symlinks=True)
         drv.chmod(0o755)
-        prog = work / "nvmlcount"
-        src = SOURCE.parent / "nvmlcount.c"
-        subprocess.run(["gcc", "-O2", "-o", str(prog), str(src)], check=True, timeout=120)
-        rootfs = work / "rootfs"
-        _image_with(prog, rootfs)
+        rootfs = nvmlcount_rootfs(work / "rootfs")
         doc = node(4)
         (rootfs / "etc" / "nvml-state.json").write_text(json.dumps(doc))
         sif = build_sif(rootfs, work / "img.sif")
