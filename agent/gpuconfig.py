@@ -123,7 +123,9 @@ class GpuPolicy:
 
 
 _BOOLS = {"checks", "all_jobs", "nvccli"}
-_NODE = re.compile(r"[A-Za-z0-9_.*?\[\]-]{1,64}\Z")
+# Names and shell globs; no brackets: "gpu[01-04]" reads as a Slurm hostlist, which
+# fnmatch would take for a character class and match nothing the admin meant.
+_NODE = re.compile(r"[A-Za-z0-9_.*?-]{1,64}\Z")
 _COUNTS = {"retired_pages_max", "retired_pages_dbe_max", "remapped_rows_max"}
 
 
@@ -158,7 +160,8 @@ def _one(key: str, value: Any, where: str) -> Any:
             or not all(isinstance(n, str) and _NODE.match(n) for n in value)
         ):
             raise ConfigError(
-                f"{where}: 'gpu.shared' must be true, false or a list of node names (globs)"
+                f"{where}: 'gpu.shared' must be true, false or a list of node names "
+                "(globs with * and ?; write gpu0* for a hostlist such as gpu[01-04])"
             )
         return tuple(value)
     if key == "driver_libs":

@@ -146,12 +146,12 @@ def energy(cfg: Path, base: dict[str, Any], seconds: float, fake: str | None) ->
         print(f"gpu-smoke:   gpu{r.index} {r.uuid}: {(after - before) / 1000:.1f} J")
 
 
-def _image(work: Path, fake_state: Path | None) -> Path:
+def _image(work: Path, fake_state: Path | None, driver: tuple[str, ...]) -> Path:
     """A SIF with the NVML-calling program and the host libraries it links (and,
     with the fake driver, its state: the fake reads it inside the container)."""
     from tfimage.agent.sif import build_commands
 
-    root = nvmlcount_rootfs(work / "rootfs")
+    root = nvmlcount_rootfs(work / "rootfs", driver)
     if fake_state:
         shutil.copy(fake_state, root / "etc" / "nvml-state.json")
     sif = work / "smoke.sif"
@@ -168,12 +168,13 @@ def container(
     from tfimage.agent.step.gpudriver import LIB_DIR, driver_binds
     from tfimage.agent.step.runtime import Charliecloud, StepSpec
 
-    sif = _image(work, Path(fake) / "state.json" if fake else None)
+    binds = driver_binds(libs)
+    libs_bound = tuple(b.src for b in binds if b.dst.startswith(LIB_DIR))
+    sif = _image(work, Path(fake) / "state.json" if fake else None, libs_bound)
     inside = {"FAKE_NVML_STATE": "/etc/nvml-state.json"} if fake else {}
     state = work / "mounts"
     img = imagemount.mount_image(str(state), JOB, sif, "sha256:" + "5" * 64)
     try:
-        binds = driver_binds(libs)
         print(f"gpu-smoke:   {len(binds)} driver file(s) bound, e.g. {binds[0].dst}")
         spec = StepSpec(workdir=None, home=None, gpus=True, driver=tuple(binds))
         ch = Charliecloud()

@@ -99,17 +99,21 @@ def healthy_node(name: str, n: int = 4) -> dict[str, Any]:
 NVMLCOUNT = Path(__file__).parent / "fakenvml" / "nvmlcount.c"
 
 
-def nvmlcount_rootfs(root: Path) -> Path:
+def nvmlcount_rootfs(root: Path, also_for: tuple[str, ...] = ()) -> Path:
     """A root filesystem holding ``/bin/nvmlcount`` (tests/fakenvml/nvmlcount.c, built
-    here) and the host libraries it links: a program that reads NVML in an image."""
+    here) and the host libraries it links, and those the libraries in ``also_for``
+    link (a real driver's libnvidia-ml needs libpthread, libm, libdl, librt): a
+    program that reads NVML in an image."""
     for d in ("bin", "dev", "proc", "sys", "tmp", "etc"):
         (root / d).mkdir(parents=True, exist_ok=True)
     prog = root / "bin" / "nvmlcount"
-    subprocess.run(["gcc", "-O2", "-o", str(prog), str(NVMLCOUNT)], check=True, timeout=120)
-    ldd = subprocess.run(["ldd", str(prog)], capture_output=True, text=True, check=True)
-    for word in ldd.stdout.split():
-        if word.startswith("/") and Path(word).exists():
-            dst = root / word.lstrip("/")
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(word, dst)
+    # -ldl: dlopen lives in libdl before glibc 2.34 (Debian 11, Ubuntu 20.04)
+    subprocess.run(["gcc", "-O2", "-o", str(prog), str(NVMLCOUNT), "-ldl"], check=True, timeout=120)
+    for binary in (str(prog), *also_for):
+        ldd = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True)
+        for word in ldd.stdout.split():
+            if word.startswith("/") and Path(word).exists() and word != binary:
+                dst = root / word.lstrip("/")
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(word, dst)
     return root

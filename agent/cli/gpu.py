@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+from pathlib import Path
 from typing import Any
 
 from tfimage.agent.config import load_config
@@ -22,6 +23,8 @@ from tfimage.agent.gpu.alloc import parse_gpus
 from tfimage.agent.gpu.gate import Check, check
 
 LEVELS = ("healthy", "warning", "drain")
+# The driver's control device: present on every node with an NVIDIA GPU.
+NVIDIACTL = "/dev/nvidiactl"
 
 
 def _node(args: argparse.Namespace) -> str:
@@ -61,8 +64,18 @@ def _report(args: argparse.Namespace, got: Check, extra: dict[str, Any]) -> None
 def cmd_gpu_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     alloc = parse_gpus(args.gpus)
-    got = check(cfg, alloc, expect_idle=args.idle, node_name=_node(args))
+    # A health check acts on what it sees, as the prolog does: it moves the XID
+    # cursors (an XID drains once, and `gpu resume` can pass after it).
+    got = check(cfg, alloc, expect_idle=args.idle, node_name=_node(args), advance=args.health_check)
     extra: dict[str, Any] = {}
+    if args.health_check and got.node.init_error and not Path(NVIDIACTL).exists():
+        # HealthCheckProgram is cluster-wide: a node without NVIDIA GPUs is no fault.
+        why = f"no NVIDIA GPU on this node ({NVIDIACTL} missing): nothing to check"
+        if args.json:
+            print(json.dumps({"status": "skipped", "why": why, "nvml": got.node.init_error}))
+        else:
+            print(f"tfimage: gpu: {why}")
+        return 0
     if args.health_check and got.verdict.drains:
         node = _node(args)
         slurm.drain(node, got.verdict.drains[0].reason(), cfg.gpu.slurm_bin)

@@ -119,7 +119,9 @@ def from_cdi(text: str, where: str) -> tuple[dict[str, str], dict[str, str]]:
             if name in BINS:
                 tools.setdefault(name, host)
             elif _is_driver_lib(name):
-                libs.setdefault(elfname.soname(host) or name, host)
+                # the name in the file, read only from a file root alone may write
+                real = _trusted(host)
+                libs.setdefault((elfname.soname(real) if real else None) or name, host)
     return libs, tools
 
 

@@ -76,7 +76,7 @@ def test_nvml_inside_the_container_sees_exactly_the_jobs_gpus_through_the_bound_
     cluster = gpu_nodes
     prog = workdir / "nvmlcount"
     src = Path(__file__).parents[1] / "fakenvml" / "nvmlcount.c"
-    subprocess.run(["gcc", "-O2", "-o", str(prog), str(src)], check=True, timeout=120)
+    subprocess.run(["gcc", "-O2", "-o", str(prog), str(src), "-ldl"], check=True, timeout=120)
     state = workdir / "nvml-state.json"
     state.write_text(json.dumps(healthy_node("n2")))
     state.chmod(0o644)
@@ -206,7 +206,7 @@ def test_shard_and_mps_jobs_beside_another_jobs_process_never_drain_but_a_whole_
     show = (
         "echo ${CUDA_VISIBLE_DEVICES:-none} ${GPU_DEVICE_ORDINAL:-none}"
         " ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-none};"
-        " test -e /usr/local/nvidia/lib64/libnvidia-ml.so.1 && echo driver; sleep 3"
+        " test -s /usr/local/nvidia/lib64/libnvidia-ml.so.1 && echo driver; sleep 3"
     )
     jobs = []
     for name, opts in (

@@ -10,6 +10,7 @@
  *    "hang_s": 30,                          nvmlInit stops answering for that long,
  *                                           as a driver with a GPU off the bus does
  *    "abort": true,                         nvmlInit crashes the process (SIGABRT)
+ *    "signal": 9,                           nvmlInit's process gets that signal
  *    "driver": "550.54.15",
  *    "devices": [
  *      {"uuid": "GPU-...", "pci": "00000000:3B:00.0", "minor": 0,
@@ -40,6 +41,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -268,6 +270,9 @@ nvmlReturn_t nvmlInitWithFlags(unsigned flags)
 	const struct json *crash = member(&root, "abort");
 	if (crash && crash->type == J_BOOL && crash->num)
 		abort();
+	const struct json *sig = member(&root, "signal");
+	if (sig && sig->type == J_NUM && sig->num > 0)
+		raise((int)sig->num);
 	nvmlReturn_t e = error_code(member(&root, "init"));
 	if (e) return e;
 	initialised = 1;

@@ -53,6 +53,19 @@ def test_a_driver_library_that_crashes_is_an_init_drain_naming_the_signal(
     ]
 
 
+def test_a_process_killed_by_the_oom_killer_is_not_a_gpu_fault(
+    nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL (the OOM killer, an admin) is the machine's trouble: no drain."""
+    doc = node(1)
+    doc["signal"] = 9
+    nvml.write(doc)
+    for k, v in nvml.env().items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(TfimageError, match=r"the NVML reading failed: exit status -9"):
+        probe_bounded(Selection(True), 10)
+
+
 def test_the_child_reads_the_same_gpus_the_selection_names(
     nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
 ) -> None:

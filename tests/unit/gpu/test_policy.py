@@ -56,6 +56,7 @@ def test_a_site_sets_its_own_values() -> None:
         ({"checks": "yes"}, "'gpu.checks' must be true or false"),
         ({"shared": "n1"}, "'gpu.shared' must be true, false or a list of node names"),
         ({"shared": ["n1", "a b"]}, "'gpu.shared' must be true, false or a list"),
+        ({"shared": ["gpu[01-04]"]}, "write gpu0* for a hostlist"),
         ({"timeout": 0}, "'gpu.timeout' must be seconds from 0 to 300"),
         ({"timeout": True}, "'gpu.timeout' must be seconds"),
         ({"scope": "rack"}, "'gpu.scope' must be one of job, node"),

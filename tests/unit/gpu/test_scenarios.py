@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from conftest import drains, gpu_check
 from gpus import FakeNvml, gpu, node
 
@@ -323,3 +324,18 @@ def test_a_mig_allocation_checks_its_gpus_whole_and_misses_none(
     assert status == 2
     assert [g["index"] for g in out["gpus"]] == [0, 1]
     assert drains(out) == [("gpu1", "ecc_dbe", "volatile uncorrected ECC: 1")]
+
+
+@pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="this machine has NVIDIA GPUs")
+def test_a_health_check_on_a_node_without_nvidia_gpus_is_no_fault(
+    nvml: FakeNvml, site: Callable[..., Path]
+) -> None:
+    """HealthCheckProgram runs on every node of the cluster: where there is no NVIDIA
+    driver at all (no /dev/nvidiactl, no library), nothing is drained."""
+    nvml.write({"init": "LIBRARY_NOT_FOUND", "devices": []})
+    status, out = gpu_check(nvml, site(), "--health-check", "--node=cpu01")
+    assert status == 0 and out["status"] == "skipped", out
+    assert "no NVIDIA GPU on this node" in out["why"]
+    # an operator's own look still says what NVML said
+    status, out = gpu_check(nvml, site())
+    assert status == 2 and drains(out)[0][1] == "init"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -131,7 +132,8 @@ def test_the_real_kernel_log_is_read_and_a_users_forged_xid_in_it_never_counts()
     and it is no XID."""
     kmsg = Path("/dev/kmsg")
     marker = f"tfimage-test-{uuid.uuid4().hex[:12]}"
-    forged = f"<3>NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus. {marker}"
+    # A bus no machine has and an XID no list holds: other monitors must not act on it.
+    forged = f"<3>NVRM: Xid (PCI:ffff:ff:1f): 999, pid=1, tfimage test line {marker}"
     try:
         with open(kmsg, "w") as f:
             f.write(forged + "\n")  # a record without its newline stays open
@@ -140,4 +142,25 @@ def test_the_real_kernel_log_is_read_and_a_users_forged_xid_in_it_never_counts()
     seen = [r for r in records(kmsg) if marker in r]
     assert len(seen) == 1, "the record written was not read back"
     assert int(seen[0].split(",", 1)[0]) >> 3 != 0  # not the kernel's facility
-    assert not [x for x in read_xids(kmsg) if x.pci == key("0000:3b:00.0")]
+    assert not [x for x in read_xids(kmsg) if x.pci == key("ffff:ff:1f")]
+
+
+def test_a_health_check_acts_on_an_xid_once_as_the_prolog_does(
+    nvml: FakeNvml, site: Callable[..., Path], tmp_path: Path
+) -> None:
+    nvml.write(node(2))
+    (tmp_path / "kmsg").write_text(_xid(7, 0x1B, 79))
+    bin_dir = tmp_path / "slurm-bin"  # a stand-in scontrol that records the drain
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/drains\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    cfg = site(slurm_bin=str(bin_dir))
+    for _ in range(2):  # two intervals
+        subprocess.run(
+            [sys.executable, "-m", "tfimage.main", "--config", str(cfg), "gpu", "check",
+             "--health-check", "--node=n1"],
+            env=nvml.env(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    drained = (tmp_path / "drains").read_text().splitlines()
+    assert len(drained) == 1 and "XID 79 in the kernel log" in drained[0], drained
+    assert gpu_check(nvml, cfg)[0] == 0  # and `gpu resume` can pass

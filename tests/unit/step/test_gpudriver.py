@@ -264,3 +264,25 @@ def test_an_elf_files_soname_is_read_from_it_and_anything_else_has_none(
     assert soname(str(driver_build / "libcuda.so.550.54.15")) == "libcuda.so.1"
     assert soname("/etc/hostname") is None
     assert soname(str(SOURCE)) is None
+
+
+def test_a_forged_elf_header_costs_nothing_and_names_nothing(tmp_path: Path) -> None:
+    """A header claiming 65535 sections of 65535 bytes (4 GiB of table) or a table
+    past the file's end is refused before anything is read; a FIFO never blocks."""
+    import struct
+    import time
+
+    head = bytearray(64)
+    head[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<QHH", head, 0x28, 64, 0, 0)
+    forged = []
+    for shentsize, shnum in ((0xFFFF, 0xFFFF), (64, 4000), (16, 10)):
+        struct.pack_into("<HH", head, 0x3A, shentsize, shnum)
+        p = tmp_path / f"forged-{shentsize}-{shnum}.so"
+        p.write_bytes(bytes(head))
+        forged.append(p)
+    fifo = tmp_path / "libcuda.so.1"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    assert [soname(str(p)) for p in [*forged, fifo]] == [None] * 4
+    assert time.monotonic() - started < 1
