@@ -64,9 +64,10 @@ def _report(args: argparse.Namespace, got: Check, extra: dict[str, Any]) -> None
 def cmd_gpu_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     alloc = parse_gpus(args.gpus)
+    node = _node(args)
     # A health check acts on what it sees, as the prolog does: it moves the XID
     # cursors (an XID drains once, and `gpu resume` can pass after it).
-    got = check(cfg, alloc, expect_idle=args.idle, node_name=_node(args), advance=args.health_check)
+    got = check(cfg, alloc, expect_idle=args.idle, node_name=node, advance=args.health_check)
     extra: dict[str, Any] = {}
     if args.health_check and got.node.init_error and not Path(NVIDIACTL).exists():
         # HealthCheckProgram is cluster-wide: a node without NVIDIA GPUs is no fault.
@@ -77,7 +78,6 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
             print(f"tfimage: gpu: {why}")
         return 0
     if args.health_check and got.verdict.drains:
-        node = _node(args)
         slurm.drain(node, got.verdict.drains[0].reason(), cfg.gpu.slurm_bin)
         extra["drained"] = node
     _report(args, got, extra)

@@ -48,7 +48,7 @@ def _read(fh: BinaryIO, size: int) -> str | None:
     end = "<" if head[5] == 1 else ">"
     (shoff,) = struct.unpack_from(end + "Q", head, 0x28)
     shentsize, shnum = struct.unpack_from(end + "HH", head, 0x3A)
-    if shentsize != SHENTSIZE or not 0 < shnum <= MAX_SECTIONS or shoff + shnum * 64 > size:
+    if shentsize != SHENTSIZE or not 0 < shnum <= MAX_SECTIONS or shoff + shnum * SHENTSIZE > size:
         return None
     fh.seek(shoff)
     table = fh.read(SHENTSIZE * shnum)

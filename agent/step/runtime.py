@@ -77,9 +77,7 @@ class Charliecloud:
         # image's to look (cache/imagefs.py).
         if imagefs.is_regular(root, "ch/environment"):
             argv += ["--env-no-expand", "--set-env"]  # OCI Env values are literal
-        for b in spec.all_binds():
-            argv += ["-b", f"{b.src}:{b.dst}"]
-        for b in spec.driver:
+        for b in (*spec.all_binds(), *spec.driver):
             argv += ["-b", f"{b.src}:{b.dst}"]
         if spec.workdir:
             argv += ["-c", spec.workdir]

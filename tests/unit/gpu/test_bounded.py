@@ -20,6 +20,14 @@ from tfimage.agent.gpu.child import probe_bounded
 from tfimage.agent.gpu.probe import Selection
 
 
+@pytest.fixture
+def in_process(nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
+    """The fake NVML for the children this test process starts (probe_bounded's)."""
+    for name in ("LD_LIBRARY_PATH", "FAKE_NVML_STATE"):
+        monkeypatch.setenv(name, nvml.env()[name])
+    return nvml
+
+
 def test_a_driver_that_stops_answering_is_an_init_drain_within_the_timeout(
     nvml: FakeNvml, site: Callable[..., Path]
 ) -> None:
@@ -54,24 +62,20 @@ def test_a_driver_library_that_crashes_is_an_init_drain_naming_the_signal(
 
 
 def test_a_process_killed_by_the_oom_killer_is_not_a_gpu_fault(
-    nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+    in_process: FakeNvml,
 ) -> None:
     """SIGKILL (the OOM killer, an admin) is the machine's trouble: no drain."""
     doc = node(1)
     doc["signal"] = 9
-    nvml.write(doc)
-    for k, v in nvml.env().items():
-        monkeypatch.setenv(k, v)
+    in_process.write(doc)
     with pytest.raises(TfimageError, match=r"the NVML reading failed: exit status -9"):
         probe_bounded(Selection(True), 10)
 
 
 def test_the_child_reads_the_same_gpus_the_selection_names(
-    nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+    in_process: FakeNvml,
 ) -> None:
-    nvml.write(node(4))
-    for k, v in nvml.env().items():
-        monkeypatch.setenv(k, v)
+    in_process.write(node(4))
     got = probe_bounded(Selection(False, ("1", node(4)["devices"][3]["uuid"])), 10)
     assert not got.init_error and len(got.gpus) == 4
     read = [r.index for r in got.gpus if r.values]
@@ -80,11 +84,9 @@ def test_the_child_reads_the_same_gpus_the_selection_names(
 
 
 def test_a_python_error_in_the_child_is_tfimages_trouble_not_a_gpu_fault(
-    nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+    in_process: FakeNvml,
 ) -> None:
-    nvml.write(node(1))
-    for k, v in nvml.env().items():
-        monkeypatch.setenv(k, v)
+    in_process.write(node(1))
     with pytest.raises(TfimageError, match=r"gpu: the NVML reading failed: ValueError"):
         probe_bounded(Selection(False, ("not-a-gpu",)), 10)
 
