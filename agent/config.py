@@ -73,6 +73,11 @@ class Config:
     # stream was as fast and cost the registry a quarter less CPU (bench/pull.py).
     pull_connections: int = 1
     pull_stripe_bytes: int = 8 << 20
+    # One JSON line per job per node (usage/record.py), for a log shipper; "" for none.
+    usage_log: str = "/var/log/tfimage/usage.jsonl"
+    # node_exporter's textfile collector directory (Debian's default), written where
+    # it exists; "" for none.
+    metrics_dir: str = "/var/lib/prometheus/node-exporter"
     # The GPU gate (gpuconfig.py documents every key).
     gpu: GpuPolicy = field(default_factory=GpuPolicy)
 
@@ -192,6 +197,10 @@ def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Conf
     for key in ("cache_dir", "state_dir", "hook_log", "ib_sysfs"):
         if not str(getattr(cfg, key)).startswith("/"):
             raise ConfigError(f"{path}: '{key}' must be an absolute path")
+    for key in ("usage_log", "metrics_dir"):
+        value = getattr(cfg, key)
+        if value is None or (value and not value.startswith("/")):
+            raise ConfigError(f"{path}: '{key}' must be an absolute path, or \"\" for none")
     return cfg
 
 

@@ -5,7 +5,9 @@
 - :func:`write_json`: replace a file with JSON atomically (a temporary file in the
   same directory, renamed over it), fsynced first when asked; a reader sees the old
   content or the new, never a part;
-- :func:`fsync_dir`: make a rename into a directory survive a crash.
+- :func:`fsync_dir`: make a rename into a directory survive a crash;
+- :func:`read_json`: a small JSON file of root's own, never through a link and never
+  more than a bound.
 """
 
 from __future__ import annotations
@@ -62,3 +64,21 @@ def fsync_dir(path: Path) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def read_json(path: Path, limit: int) -> object | None:
+    """``path``'s JSON, or None when it is missing, a link, larger than ``limit``
+    bytes or not JSON: state a crash, a full disk or a hand may have left."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        return None
+    try:
+        doc: object = json.loads(raw)
+    except ValueError:
+        return None
+    return doc

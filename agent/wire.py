@@ -40,10 +40,15 @@ it against the parsers here, both ways.
 5. **Node hooks** through ``tfimage-hook`` (``spank/hook.c``) to the root socket::
 
        tfimage-prolog --config=PATH --job=N --image=REF --node=NAME --gpus=LIST --mps=PCT
-       tfimage-epilog --config=PATH --job=N
+       tfimage-epilog --config=PATH --job=N --image=REF --asked=TEXT --node=NAME
+                      --user=NAME --uid=N --account=A --partition=P --array-job=N
+                      --array-task=N --exit=E:S --exit-raw=STATUS --gpus=LIST --mps=PCT
 
-   (:data:`HOOK_FLAGS`.)  ``--gpus`` and ``--mps`` are Slurm's ``SLURM_JOB_GPUS`` (else
-   ``CUDA_VISIBLE_DEVICES``) and ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, empty for none.
+   (:data:`HOOK_FLAGS`.)  The epilog's are Slurm's ``SLURM_JOB_*`` and
+   ``SLURM_ARRAY_*`` (``--exit`` is ``SLURM_JOB_EXIT_CODE2``), and ``--asked`` the
+   ``--tf-image`` text as the user wrote it, for the usage record.  ``--gpus`` and
+   ``--mps`` are Slurm's ``SLURM_JOB_GPUS`` (else ``CUDA_VISIBLE_DEVICES``) and
+   ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, empty for none.
 
    ``tfimage-hook SOCKET DEADLINE PROGRAM ARGS...`` waits ``DEADLINE`` +
    :data:`HOOK_GRACE` seconds, and runs ``PROGRAM`` itself only when no daemon
@@ -72,7 +77,23 @@ HOOKS = ("tfimage-prolog", "tfimage-epilog")
 # Each hook's arguments, in the order the role's scripts send them (5).
 HOOK_FLAGS = {
     "tfimage-prolog": ("--config", "--job", "--image", "--node", "--gpus", "--mps"),
-    "tfimage-epilog": ("--config", "--job"),
+    "tfimage-epilog": (
+        "--config",
+        "--job",
+        "--image",
+        "--asked",
+        "--node",
+        "--user",
+        "--uid",
+        "--account",
+        "--partition",
+        "--array-job",
+        "--array-task",
+        "--exit",
+        "--exit-raw",
+        "--gpus",
+        "--mps",
+    ),
 }
 
 TOK_ARGV, TOK_SRC, TOK_ENV = "argv", "src", "env"

@@ -1,8 +1,14 @@
-"""Epilog: unmount and remove what the job's steps used on this node.
+"""Epilog: check the job's GPUs once more, unmount and release what the job used on
+this node, and record what ran.
 
-Cleanup problems are logged, never fatal: a failing Epilog would drain the node
-(hooklog.guarded turns every exception into one log line and exit 0).  Arguments
-come as ``--job=VALUE`` (see the prolog).
+Cleanup and bookkeeping problems are logged, never fatal: a failing Epilog would
+drain the node (hooklog.guarded turns every exception into one log line and exit 0).
+The one exception is a GPU fault found after the job (a compute process left on its
+GPUs, an ECC error): the epilog drains the node itself with a ``tfimage:`` reason
+(agent/gpu/gate.py).  Every part runs whatever the others did, and each is safe
+twice: a second epilog, or one after a prolog killed halfway or never run, finds
+nothing and leaves nothing.  Arguments come as ``--job=VALUE`` (see the prolog);
+run directly, they default to Slurm's variables.
 """
 
 from __future__ import annotations
@@ -11,23 +17,48 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from tfimage.agent.cache.store import ImageCache
-from tfimage.agent.config import DEFAULT_PATH, load_config
-from tfimage.agent.errors import TfimageError
-from tfimage.agent.gpu.gate import drop_baseline
+from tfimage.agent.config import DEFAULT_PATH, Config, load_config
+from tfimage.agent.errors import InputError, NodeFault, TfimageError
+from tfimage.agent.gpu.alloc import parse_gpus
+from tfimage.agent.gpu.drain import check_node
+from tfimage.agent.gpu.gate import drop_baseline, epilog_gate, health, load_baseline
 from tfimage.agent.hooklog import LOG_FILE, guarded, hook_logger, log_to
 from tfimage.agent.ids import valid_job_id
 from tfimage.agent.step.imagemount import release_job
+from tfimage.agent.usage import jobfacts, metrics, record
+
+# Each option, the Slurm variable it defaults to (run directly as the Epilog), and
+# the usage record's name for it.
+SLURM_ARGS = (
+    ("--job", "SLURM_JOB_ID", "job_id"),
+    ("--image", "SPANK_TFIMAGE_IMAGE", "image"),
+    ("--asked", "SPANK__SLURM_SPANK_OPTION_tfimage_tf_image", "image_asked"),
+    ("--node", "SLURMD_NODENAME", "node"),
+    ("--user", "SLURM_JOB_USER", "user"),
+    ("--uid", "SLURM_JOB_UID", "uid"),
+    ("--account", "SLURM_JOB_ACCOUNT", "account"),
+    ("--partition", "SLURM_JOB_PARTITION", "partition"),
+    ("--array-job", "SLURM_ARRAY_JOB_ID", "array_job_id"),
+    ("--array-task", "SLURM_ARRAY_TASK_ID", "array_task_id"),
+    ("--exit", "SLURM_JOB_EXIT_CODE2", "exit"),
+    ("--exit-raw", "SLURM_JOB_EXIT_CODE", "exit_raw"),
+    ("--gpus", "SLURM_JOB_GPUS", "gpus"),
+    ("--mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "mps"),
+)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tfimage-epilog", description=__doc__)
     p.add_argument("--config", default=str(DEFAULT_PATH))
     # Given explicitly when run through the node daemon (tfimage-hook).
-    p.add_argument("--job", default=os.environ.get("SLURM_JOB_ID", ""))
+    for flag, var, dest in SLURM_ARGS:
+        p.add_argument(flag, dest=dest, default=os.environ.get(var, ""))
     return p
 
 
@@ -38,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _epilog(argv: Sequence[str] | None, log: logging.Logger) -> int:
     args = _parser().parse_args(argv)
-    job_id = args.job
+    job_id = args.job_id
     if not valid_job_id(job_id):
         return 0
     try:
@@ -47,22 +78,100 @@ def _epilog(argv: Sequence[str] | None, log: logging.Logger) -> int:
         log_to(LOG_FILE, "epilog")
         raise
     log_to(Path(cfg.hook_log), "epilog")
+    slurm = {dest: getattr(args, dest) for _, _, dest in SLURM_ARGS}
+    try:
+        # Held to the end: of two epilogs at once, one records the job.
+        with jobfacts.claimed(cfg.state_dir, job_id) as facts:
+            fault = _cleanup(cfg, job_id, slurm, facts, log)
+    except NodeFault:
+        raise
+    except Exception as e:
+        log.error("job %s: cleanup: its usage facts: %s", job_id, _cause(e))
+        fault = _cleanup(cfg, job_id, slurm, {}, log)
+    if fault:
+        raise fault  # the drain could not be made: Slurm drains on the exit status
+    return 0
+
+
+def _cleanup(
+    cfg: Config, job_id: str, slurm: dict[str, str], facts: dict[str, Any], log: logging.Logger
+) -> NodeFault | None:
+    after: dict[str, Any] = {"gpus": [], "health": None}
     stuck: list[str] = []
-    # Each part runs whatever the other did: a hold the epilog leaves is an image
+    fault: list[NodeFault] = []
+
+    def gpus() -> None:
+        try:
+            after.update(_gpu_check(cfg, job_id, slurm))
+        except NodeFault as e:
+            after["health"] = "drain"
+            fault.append(e)
+
+    # Each part runs whatever the others did: a hold the epilog leaves is an image
     # nobody may evict until the next reclaim, a mount left is a mount leaked.
-    for part, run in (
+    parts: tuple[tuple[str, Callable[[], object]], ...] = (
+        ("checking its GPUs", gpus),
         ("unmounting", lambda: stuck.extend(release_job(cfg.state_dir, job_id))),
         ("releasing its images", lambda: ImageCache(cfg).release(job_id)),
         ("dropping its GPU baseline", lambda: drop_baseline(cfg.state_dir, job_id)),
-    ):
+        ("recording its usage", lambda: _record(cfg, slurm, facts, after, log)),
+    )
+    for part, run in parts:
         try:
             run()
         except Exception as e:
-            cause = str(e) if isinstance(e, TfimageError) else f"{type(e).__name__}: {e}"
-            log.error("job %s: cleanup: %s: %s", job_id, part, cause)
+            log.error("job %s: cleanup: %s: %s", job_id, part, _cause(e))
     for target in stuck:
         log.error("job %s: %s was busy; detached it lazily", job_id, target)
-    return 0
+    return fault[0] if fault else None
+
+
+def _cause(e: BaseException) -> str:
+    return str(e) if isinstance(e, TfimageError) else f"{type(e).__name__}: {e}"
+
+
+def _gpu_check(cfg: Config, job_id: str, slurm: dict[str, str]) -> dict[str, Any]:
+    """The post-job GPU check over the job's GPUs the prolog saw (its baseline), and
+    each one's energy; without a baseline, the GPUs Slurm names, unchecked."""
+    baseline = load_baseline(cfg.state_dir, job_id)
+    if not baseline or not cfg.gpu.checks:
+        try:
+            tokens = parse_gpus(slurm["gpus"])
+        except InputError:
+            tokens = ()
+        gpus = [{"uuid": t if t.startswith("GPU-") else None, "energy_j": None} for t in tokens]
+        return {"gpus": gpus}
+    try:
+        node = check_node(slurm["node"])
+    except InputError:
+        node = ""
+    got = epilog_gate(cfg, job_id, node, baseline, shared=bool(slurm["mps"]))
+    return {
+        "gpus": [{"uuid": u, "energy_j": j} for u, j in got.energy_j.items()],
+        "health": health(got.check),
+    }
+
+
+def _record(
+    cfg: Config,
+    slurm: dict[str, str],
+    facts: dict[str, Any],
+    after: dict[str, Any],
+    log: logging.Logger,
+) -> None:
+    """The job's usage line and the node's counters: for a ``--tf-image`` job whose
+    prolog ran here (a second epilog finds its facts gone and records nothing).  The
+    counters are kept even when the line cannot be written (a full /var/log)."""
+    if not facts or not (facts.get("image") or slurm["image"]):
+        return
+    rec = record.build(
+        slurm, facts, end=time.time(), gpus=after["gpus"], epilog_health=after["health"]
+    )
+    try:
+        if cfg.usage_log:
+            record.append(Path(cfg.usage_log), rec)
+    finally:
+        metrics.update(cfg.state_dir, cfg.metrics_dir, cfg.cache_dir, metrics.count_job(rec))
 
 
 if __name__ == "__main__":

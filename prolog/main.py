@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,11 +28,12 @@ from tfimage.agent.deadline import deadline
 from tfimage.agent.errors import InputError, NodeFault, TfimageError
 from tfimage.agent.gpu.alloc import parse_gpus
 from tfimage.agent.gpu.drain import check_node
-from tfimage.agent.gpu.gate import prolog_gate
+from tfimage.agent.gpu.gate import health, prolog_gate
 from tfimage.agent.hooklog import LOG_FILE, guarded, hook_logger, log_to
 from tfimage.agent.ids import valid_job_id
 from tfimage.agent.logtext import oneline
 from tfimage.agent.step.plan import prepare_job
+from tfimage.agent.usage import jobfacts
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
+    started = time.time()
     args = _parser().parse_args(argv)
     image = args.image
     job_id = args.job
@@ -71,14 +74,27 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
         log_to(LOG_FILE, "prolog")  # no config to name another
         raise
     log_to(Path(cfg.hook_log), "prolog")
+    note = _Facts(cfg, job_id, log)
+    if image:  # first, so that a prolog killed halfway still leaves the job's start
+        note(prolog_start=started, runtime=cfg.runtime)
     if args.gpus and cfg.gpu.checks and (image or cfg.gpu.all_jobs):
-        _gpu_gate(cfg, job_id, args, log)  # a GPU fault raises NodeFault: exit 1
+        verdict = _gpu_gate(cfg, job_id, args, log, note)  # a GPU fault: NodeFault, exit 1
+        if image and verdict:
+            note(gpu_prolog=verdict)
     if not image:
         return 0
 
     try:
         with deadline(cfg.hook_deadline, "prolog"):
             got = prepare_job(cfg, job_id, image)
+        note(
+            image=str(got.ref),
+            repository=got.ref.repository,
+            cache="hit" if got.hit else "miss",
+            pull_seconds=round(got.seconds, 3),
+            pull_bytes=0 if got.hit else got.size,
+            source=got.source,
+        )
         log.info(
             "job %s: %s %s in %.2f s",
             job_id,
@@ -88,24 +104,55 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
         )
     except Exception as e:  # recorded for the job's steps by prepare_job
         log.error("job %s: image %s: %s", job_id, oneline(image), _cause(e))
+        note(image_error=_cause(e), repository=_repository(cfg, image))
     return 0
 
 
-def _gpu_gate(cfg: Config, job_id: str, args: argparse.Namespace, log: logging.Logger) -> None:
+class _Facts:
+    """The job's facts for its usage record (the epilog's): never a reason to fail the
+    job, and a failure to keep them is said once, not at every fact."""
+
+    def __init__(self, cfg: Config, job_id: str, log: logging.Logger) -> None:
+        self.cfg, self.job_id, self.log, self.broken = cfg, job_id, log, False
+
+    def __call__(self, **facts: object) -> None:
+        if self.broken:
+            return
+        try:
+            jobfacts.note(self.cfg.state_dir, self.job_id, **facts)
+        except Exception as e:
+            self.broken = True
+            self.log.error("job %s: usage: not kept: %s", self.job_id, _cause(e))
+
+
+def _repository(cfg: Config, image: str) -> str | None:
+    try:
+        return cfg.reference(image).repository
+    except TfimageError:
+        return None
+
+
+def _gpu_gate(
+    cfg: Config, job_id: str, args: argparse.Namespace, log: logging.Logger, note: _Facts
+) -> str | None:
+    """The gate's verdict (ok or warn); None when it did not judge."""
     try:
         alloc = parse_gpus(args.gpus)
         node = check_node(args.node)
     except InputError as e:  # Slurm's own values: a bug or a new format, not a fault
         log.error("job %s: gpu: not checked: %s", job_id, e)
-        return
+        return None
     if not alloc:
-        return
+        return None
     try:
-        prolog_gate(cfg, job_id, node, alloc, shared=bool(args.mps))
+        return health(prolog_gate(cfg, job_id, node, alloc, shared=bool(args.mps)))
     except NodeFault:
+        if args.image:
+            note(gpu_prolog="drain")
         raise
     except Exception as e:  # the gate's own trouble (a full /run): the image still comes
         log.error("job %s: gpu: not checked: %s", job_id, _cause(e))
+        return None
 
 
 def _cause(e: BaseException) -> str:

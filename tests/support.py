@@ -72,6 +72,9 @@ class Registry:
             f"credentials: {creds}",
             f"cache_dir: {d / 'cache'}",
             f"state_dir: {d / 'state'}",
+            # never the host's own (usage/record.py, usage/metrics.py)
+            f"usage_log: {d / 'usage.jsonl'}",
+            f"metrics_dir: {d / 'metrics'}",
         ]
         if self.token_realms:
             lines.append(f"token_realms: {list(self.token_realms)}")

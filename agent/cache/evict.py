@@ -20,8 +20,10 @@ from typing import Any
 
 from tfimage.agent.cache.keep import is_kept
 from tfimage.agent.cache.store import ImageCache
+from tfimage.agent.config import Config
 from tfimage.agent.errors import CacheError
 from tfimage.agent.fsutil import held
+from tfimage.agent.usage import metrics
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,21 @@ def prune(
                 continue  # held or kept since we looked
         used -= int(meta.get("size", 0))
         gone.append(meta)
+    if gone and not dry_run:
+        _count(cfg, gone)
     return gone
+
+
+def _count(cfg: Config, gone: list[dict[str, Any]]) -> None:
+    """Evictions into the node's metrics; their trouble never undoes an eviction."""
+    freed = sum(int(m.get("size", 0)) for m in gone)
+
+    def change(counters: dict[str, Any]) -> None:
+        metrics.add("cache_evictions", len(gone))(counters)
+        metrics.add("cache_evicted_bytes", freed)(counters)
+
+    with contextlib.suppress(Exception):
+        metrics.update(cfg.state_dir, cfg.metrics_dir, cfg.cache_dir, change)
 
 
 def stale_partials(

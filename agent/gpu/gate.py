@@ -7,7 +7,8 @@ reason (``tfimage: gpu3 GPU-...: row remapping pending (needs a reset)``), and r
 Slurm requeues the job (held, unless ``SchedulerParameters=nohold_on_prolog_fail``).
 Warnings and skipped checks are logged.
 
-The baseline (counters the epilog turns into the job's deltas) is kept where no
+The baseline (the job's own GPUs' counters, which the epilog turns into the job's
+deltas and checks again) is kept where no
 job's user can reach it::
 
     <state_dir>/gpu/               0700
@@ -18,21 +19,24 @@ job's user can reach it::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tfimage.agent.config import Config
 from tfimage.agent.errors import NodeFault, TfimageError
-from tfimage.agent.fsutil import write_json
+from tfimage.agent.fsutil import read_json, write_json
 from tfimage.agent.gpu import drain as slurm
 from tfimage.agent.gpu import xid
 from tfimage.agent.gpu.child import probe_bounded
 from tfimage.agent.gpu.probe import NodeReading, Reading, Selection
 from tfimage.agent.gpu.verdict import Verdict, judge
 from tfimage.agent.ids import valid_job_id
+from tfimage.agent.usage import metrics
 
 BASELINE = ("energy_mj", "ecc_sbe", "ecc_dbe", "remapped", "retired_sbe", "retired_dbe")
 
@@ -44,6 +48,9 @@ class Check:
     node: NodeReading
     gpus: list[Reading]  # the GPUs judged, in NVML's order
     verdict: Verdict
+    # Of those, the job's own (with ``scope: node`` the others are judged too, but
+    # belong to other jobs: no baseline, no idle check after the job)
+    allocated: list[Reading] = field(default_factory=list)
 
 
 def check(
@@ -82,7 +89,7 @@ def check(
         except OSError as e:  # no kernel log to read is no finding, but said
             log.warning("gpu: XIDs not checked: %s: %s", policy.kmsg, e.strerror)
     verdict = judge(node, gpus, missing, policy, idle=idle, xids=xids)
-    return Check(node, gpus, verdict)
+    return Check(node, gpus, verdict, [r for r in gpus if wanted.allocated(r)])
 
 
 def _baseline_path(state_dir: str, job_id: str) -> Path:
@@ -102,6 +109,14 @@ def save_baseline(state_dir: str, job_id: str, gpus: list[Reading]) -> Path:
         d.chmod(0o700)
     write_json(path, doc, mode=0o600)
     return path
+
+
+def load_baseline(state_dir: str, job_id: str) -> dict[str, dict[str, Any]]:
+    """The prolog's baseline for the job: {uuid: counters}; empty when none was saved."""
+    doc = read_json(_baseline_path(state_dir, job_id), 1 << 20)
+    if not isinstance(doc, dict):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, dict)}
 
 
 def drop_baseline(state_dir: str, job_id: str) -> None:
@@ -127,6 +142,7 @@ def prolog_gate(
             ", ".join(sorted({f.check for f in skipped})),
         )
     drains = got.verdict.drains
+    count(cfg, got)
     if drains:
         first = drains[0]
         more = f" (and {len(drains) - 1} more)" if len(drains) > 1 else ""
@@ -135,7 +151,7 @@ def prolog_gate(
         except TfimageError as e:  # the non-zero exit still makes Slurm drain it
             raise NodeFault(f"job {job_id}: {first.reason()}{more}; {e}") from None
         raise NodeFault(f"job {job_id}: drained {node_name}: {first.reason()}{more}")
-    save_baseline(cfg.state_dir, job_id, got.gpus)
+    save_baseline(cfg.state_dir, job_id, got.allocated)
     log.info(
         "job %s: gpu: %d GPU(s) healthy in %.0f ms",
         job_id,
@@ -143,3 +159,87 @@ def prolog_gate(
         got.node.seconds * 1000,
     )
     return got
+
+
+def count(cfg: Config, got: Check) -> None:
+    """Each GPU's verdict and a drain into the node's metrics (usage/metrics.py).  Their
+    trouble (a full /run) is logged: it never changes what the check decided."""
+    per = per_gpu(got)
+
+    def change(counters: dict[str, Any]) -> None:
+        metrics.gpu_health(per)(counters)
+        if got.verdict.drains:
+            metrics.add("gpu_drains")(counters)
+
+    try:
+        metrics.update(cfg.state_dir, cfg.metrics_dir, cfg.cache_dir, change)
+    except Exception as e:
+        log.error("gpu: metrics not written: %s: %s", type(e).__name__, e)
+
+
+def health(got: Check) -> str:
+    """One word for a check: ``drain``, ``warn`` or ``ok``."""
+    if got.verdict.drains:
+        return "drain"
+    return "warn" if got.verdict.warnings else "ok"
+
+
+def per_gpu(got: Check) -> dict[str, tuple[int, bool]]:
+    """Each judged GPU's verdict, for the metrics: {uuid: (index, healthy)}."""
+    bad = {f.uuid for f in got.verdict.drains}
+    return {r.uuid: (r.index, r.uuid not in bad) for r in got.gpus if r.uuid}
+
+
+@dataclass
+class AfterJob:
+    check: Check
+    energy_j: dict[str, float | None]  # per GPU: the job's energy (epilog minus prolog)
+
+
+def epilog_gate(
+    cfg: Config,
+    job_id: str,
+    node_name: str,
+    baseline: dict[str, dict[str, Any]],
+    *,
+    shared: bool = False,
+    settle: float = 1.0,
+) -> AfterJob:
+    """The epilog's check of the job's GPUs (those of its baseline): a compute process
+    left on them after the job drains the node; so does any other drain-class finding.
+    Slurm has killed the job's processes by now, but a driver may still list one for
+    a moment: a finding of processes alone is looked at again after ``settle`` s.
+    Returns the check and each GPU's energy in J."""
+    alloc = tuple(baseline)
+    got = check(cfg, alloc, expect_idle=True, shared=shared, advance=True, node_name=node_name)
+    if got.verdict.drains and all(f.check == "processes" for f in got.verdict.drains):
+        time.sleep(settle)
+        got = check(cfg, alloc, expect_idle=True, shared=shared, advance=True, node_name=node_name)
+    findings = tuple(
+        dataclasses.replace(
+            f, cause=f.cause.replace("from outside the job", f"left by job {job_id}")
+        )
+        if f.check == "processes"
+        else f
+        for f in got.verdict.findings
+    )
+    got = Check(got.node, got.gpus, Verdict(findings), got.allocated)
+    energy: dict[str, float | None] = {}
+    for uuid, before in baseline.items():
+        now = next((r for r in got.gpus if r.uuid == uuid), None)
+        start, end = before.get("energy_mj"), now.values.get("energy_mj") if now else None
+        ok = isinstance(start, int) and isinstance(end, int) and end >= start
+        energy[uuid] = round((end - start) / 1000.0, 3) if ok else None  # type: ignore[operator]
+    for f in got.verdict.warnings:
+        log.warning("job %s: gpu after the job: %s", job_id, f.reason())
+    drains = got.verdict.drains
+    count(cfg, got)
+    if drains:
+        first = drains[0]
+        more = f" (and {len(drains) - 1} more)" if len(drains) > 1 else ""
+        try:
+            slurm.drain(node_name, first.reason(), cfg.gpu.slurm_bin)
+        except TfimageError as e:  # the non-zero exit still makes Slurm drain it
+            raise NodeFault(f"job {job_id}: {first.reason()}{more}; {e}") from None
+        log.error("job %s: drained %s: %s%s", job_id, node_name, first.reason(), more)
+    return AfterJob(got, energy)

@@ -7,6 +7,7 @@ Called as root, by the prolog (once per job) and by the SPANK plugin's helper
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pwd
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from tfimage.agent.step.jobrecord import JobRecord
 from tfimage.agent.step.runtime import Bind, Runtime, StepSpec, runtime_for
 from tfimage.agent.step.taskenv import step_task_envs
 from tfimage.agent.step.userpath import realpaths_as
+from tfimage.agent.usage import jobfacts
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +163,18 @@ def plan_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) ->
             task.setdefault("USER", user)
             if req.gpus:  # where the driver is bound (gpudriver.py), unless set
                 task.setdefault("LD_LIBRARY_PATH", DRIVER_LIB_DIR)
+    _note_workers(cfg, req, env)
     return StepPlan(argv, env, [b.src for b in user_binds])
+
+
+def _note_workers(cfg: Config, req: StepRequest, env: dict[int, dict[str, str]]) -> None:
+    """The step's TF worker count, for the job's usage record (the largest step's)."""
+    tf_config = next((e["TF_CONFIG"] for e in env.values() if "TF_CONFIG" in e), None)
+    if tf_config is None:
+        return
+    with contextlib.suppress(Exception):  # bookkeeping never fails a step
+        workers = len(json.loads(tf_config)["cluster"]["worker"])
+        jobfacts.note_max(cfg.state_dir, req.job_id, "tf_workers", workers)
 
 
 def _resolved(cfg: Config, uid: int, binds: list[Bind]) -> list[Bind]:

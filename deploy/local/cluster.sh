@@ -293,7 +293,8 @@ write_site() {
     else
         gcc -shared -fPIC -O2 -o "$STATE/lib/site_hello.so" "$REPO/deploy/local/site/site_hello.c"
     fi
-    rm -rf "$ETC/plugstack.conf.d" "$ETC/prolog.d" "$ETC/epilog.d"
+    rm -rf "$ETC/plugstack.conf.d" "$ETC/prolog.d" "$ETC/epilog.d" "$ETC/logrotate.d"
+    mkdir -p "$ETC/logrotate.d"
     cat >"$ETC/plugstack.conf" <<CONF
 # The site's plugstack.conf (local cluster stand-in)
 optional $STATE/lib/site_hello.so
@@ -456,6 +457,9 @@ tfimage_state_dir: /run/tfimage
 tfimage_default_binds: ["$STATE/data:/mnt", "$STATE/gpu/dev:/gpudev"]
 tfimage_bind_prefixes: [/home, /data, "$STATE/data"]
 tfimage_maintenance: cron
+# Each node's usage log is its own /var/log/tfimage (start_slurm binds it), and so is
+# node_exporter's textfile directory: \$STATE/nodes/NODE/log and .../metrics here.
+tfimage_logrotate_dir: $ETC/logrotate.d
 # The fake GPUs' kernel log, and their driver for charliecloud steps (write_gpus)
 tfimage_gpu: {kmsg: "$STATE/gpu/kmsg", driver_libs: ["$STATE/gpu/lib/libnvidia-ml.so.1"], shared: [n1]}
 # The role's HealthCheckProgram, run by test_gpus.py as slurmd runs it (interval 0:
@@ -525,12 +529,15 @@ start_slurm() {
     # too, or a slurmd that remembers job 4's credential from the last cluster skips
     # the new job 4's prolog ("reissued job credential for job 4").
     rm -rf "$STATE/ctld" "$STATE/spool"
-    mkdir -p "$STATE/ctld" "$ROOT/var/cache/tfimage" "$ROOT/run/tfimage" "$ROOT/var/log/tfimage"
+    mkdir -p "$STATE/ctld" "$ROOT/var/cache/tfimage" "$ROOT/run/tfimage" "$ROOT/var/log/tfimage" \
+        "$ROOT/var/lib/prometheus/node-exporter"
     SLURM_CONF=$ETC/slurm.conf in_root slurmctld -i \
         || die "slurmctld did not start: $(tail -1 "$LOGS/slurmctld.log" 2>/dev/null)"
     for n in "${NODES[@]}"; do
         local nd=$STATE/nodes/$n
-        mkdir -p "$STATE/spool/$n" "$nd/cache" "$nd/run" "$nd/log"
+        # node_exporter's textfile directory: this cluster's metrics alone
+        rm -rf "$nd/metrics"
+        mkdir -p "$STATE/spool/$n" "$nd/cache" "$nd/run" "$nd/log" "$nd/metrics"
         # Own network, hostname and mounts: cache and /run state really are per node.
         : >"$LOGS/slurmd-$n.log"
         # In the foreground under setsid: nsenter, unshare and sh all exec, so $! is
@@ -538,7 +545,8 @@ start_slurm() {
         local script="hostname $n
 mount --bind $nd/cache $ROOT/var/cache/tfimage
 mount -t tmpfs -o mode=0755 tmpfs $ROOT/run/tfimage
-mount --bind $nd/log $ROOT/var/log/tfimage"
+mount --bind $nd/log $ROOT/var/log/tfimage
+mount --bind $nd/metrics $ROOT/var/lib/prometheus/node-exporter"
         if [ -n "$ROOT" ]; then
             # The other Slurm's tree becomes the real root of this node's mount
             # namespace (pivot_root, not chroot): the kernel refuses user namespaces,

@@ -12,6 +12,8 @@ PKGS=(
     python3 python3-venv python3-dev python3-pip
     e2fsprogs  # mkfs.ext4: where /tmp is a tmpfs, a test makes an ext4 that refuses O_DIRECT
     strace     # a test sees the download's writeback hint reach the kernel
+    logrotate  # the usage log survives both ways of rotating it
+    prometheus prometheus-node-exporter  # the metrics tests scrape a real node_exporter
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the daemon runs as ro
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     conf = f"registry: r.example\nstate_dir: {{run}}\ncache_dir: {tmp_path / 'cache'}\n"
+    conf += f"usage_log: {tmp_path / 'usage.jsonl'}\nmetrics_dir: {tmp_path / 'metrics'}\n"
     with started_daemon(tmp_path, conf) as (run, cfg, _):
         yield run / "daemon.sock", cfg
 
@@ -253,6 +254,7 @@ def test_the_pin_server_is_never_fuller_than_its_slots(
 
 def test_sigterm_stops_it_cleanly_leaving_no_socket(tmp_path: Path) -> None:
     conf = f"registry: r.example\nstate_dir: {{run}}\ncache_dir: {tmp_path / 'cache'}\n"
+    conf += f"usage_log: {tmp_path / 'usage.jsonl'}\nmetrics_dir: {tmp_path / 'metrics'}\n"
     with started_daemon(tmp_path, conf) as (run, _, proc):
         proc.terminate()  # systemctl stop
         assert proc.wait(10) == 0

@@ -27,6 +27,8 @@ def site(tmp_path: Path) -> Callable[..., Path]:
         doc = {
             "state_dir": str(tmp_path / "state"),
             "hook_log": str(tmp_path / "hooks.log"),
+            "usage_log": str(tmp_path / "usage.jsonl"),
+            "metrics_dir": str(tmp_path / "metrics"),
             "gpu": {"kmsg": str(kmsg), **gpu},
         }
         cfg.write_text(json.dumps(doc))

@@ -153,3 +153,93 @@ def test_a_site_whose_slurm_lives_elsewhere_is_drained_with_its_own_scontrol(
         f"Reason=tfimage: gpu1 {uuid}: volatile uncorrected ECC: 1",
     ]
     assert "job 46: drained n7" in (tmp_path / "hooks.log").read_text()
+
+
+def _record(tmp_path: Path) -> dict[str, object]:
+    (line,) = (tmp_path / "usage.jsonl").read_text().splitlines()
+    doc: dict[str, object] = json.loads(line)
+    return doc
+
+
+def test_the_epilog_records_each_gpus_energy_over_the_job(
+    nvml: FakeNvml, site: Callable[..., Path], tmp_path: Path
+) -> None:
+    doc = node(4)
+    nvml.write(doc)
+    cfg = site()
+    job = ("--job=46", "--node=n1", "--image=registry.invalid/x:1")
+    assert hook("prolog", nvml, cfg, *job, "--gpus=1,2").returncode == 0
+    doc["devices"][1]["energy_mj"] += 5_000_000  # 5 kJ over the job
+    doc["devices"][2]["energy_mj"] += 250_500
+    nvml.write(doc)
+    r = hook("epilog", nvml, cfg, *job, "--exit=0:0")
+    assert r.returncode == 0, r.stderr
+    rec = _record(tmp_path)
+    uuids = [doc["devices"][i]["uuid"] for i in (1, 2)]
+    assert rec["gpus"] == [
+        {"uuid": uuids[0], "energy_j": 5000.0},
+        {"uuid": uuids[1], "energy_j": 250.5},
+    ]
+    assert rec["gpu_health"] == {"prolog": "ok", "epilog": "ok"}
+    assert not (tmp_path / "state/gpu/jobs/46.json").exists()
+
+
+def test_a_process_left_on_the_jobs_gpu_drains_the_node_from_the_epilog(
+    nvml: FakeNvml, site: Callable[..., Path], tmp_path: Path
+) -> None:
+    doc = node(4)
+    nvml.write(doc)
+    (tmp_path / "metrics").mkdir()  # node_exporter's textfile directory (site() names it)
+    cfg = site()
+    job = ("--job=47", "--node=n1", "--image=registry.invalid/x:1")
+    assert hook("prolog", nvml, cfg, *job, "--gpus=1").returncode == 0
+    doc["devices"][1]["processes"] = [{"pid": 4242, "mem": 100}]  # stuck in D state, say
+    nvml.write(doc)
+    r = hook("epilog", nvml, cfg, *job, "--exit=0:0")
+    # scontrol cannot reach Slurm here: the non-zero exit is what makes Slurm drain it
+    assert r.returncode == 1
+    reason = (
+        f"tfimage: gpu1 {doc['devices'][1]['uuid']}: 1 compute process(es) left by job 47: pid 4242"
+    )
+    assert reason in (tmp_path / "hooks.log").read_text()
+    rec = _record(tmp_path)
+    assert rec["gpu_health"] == {"prolog": "ok", "epilog": "drain"}
+    prom = (tmp_path / "metrics/tfimage.prom").read_text()
+    assert "tfimage_gpu_drains_total 1" in prom
+    assert f'tfimage_gpu_healthy{{gpu="1",uuid="{doc["devices"][1]["uuid"]}"}} 0' in prom
+    # everything else of the job is gone all the same
+    assert not list((tmp_path / "state").rglob("47*")) and not list(
+        (tmp_path / "state").rglob("47.*")
+    )
+    doc["devices"][1]["processes"] = []
+    nvml.write(doc)
+    assert hook("epilog", nvml, cfg, *job, "--exit=0:0").returncode == 0  # idempotent
+
+
+def test_with_scope_node_the_epilog_judges_only_the_jobs_gpus_idle(
+    nvml: FakeNvml, site: Callable[..., Path], tmp_path: Path
+) -> None:
+    doc = node(4)
+    doc["devices"][3]["processes"] = [{"pid": 777, "mem": 1}]  # another job's, on GPU 3
+    nvml.write(doc)
+    cfg = site(scope="node")
+    job = ("--job=48", "--node=n1", "--image=registry.invalid/x:1")
+    assert hook("prolog", nvml, cfg, *job, "--gpus=1").returncode == 0
+    baseline = json.loads((tmp_path / "state/gpu/jobs/48.json").read_text())
+    assert list(baseline) == [doc["devices"][1]["uuid"]]  # the job's GPU alone
+    r = hook("epilog", nvml, cfg, *job, "--exit=0:0")
+    assert r.returncode == 0, (tmp_path / "hooks.log").read_text()
+    rec = _record(tmp_path)
+    assert rec["gpus"] == [{"uuid": doc["devices"][1]["uuid"], "energy_j": 0.0}]
+    assert rec["gpu_health"] == {"prolog": "ok", "epilog": "ok"}
+
+
+def test_without_a_check_the_record_still_counts_the_jobs_gpus(
+    nvml: FakeNvml, site: Callable[..., Path], tmp_path: Path
+) -> None:
+    nvml.write(node(4))
+    cfg = site(checks=False)
+    job = ("--job=49", "--node=n1", "--image=registry.invalid/x:1")
+    assert hook("prolog", nvml, cfg, *job, "--gpus=0,2").returncode == 0
+    assert hook("epilog", nvml, cfg, *job, "--gpus=0,2", "--exit=0:0").returncode == 0
+    assert _record(tmp_path)["gpus"] == [{"uuid": None, "energy_j": None}] * 2

@@ -1,0 +1,92 @@
+"""What the prolog and the job's steps learn of a job on this node, kept for its epilog.
+
+Under ``state_dir`` (root's alone)::
+
+    usage/                 0700
+        <job>.json         0600  {"prolog_start": 1764780000.5, "image": "...",
+                                  "cache": "miss", "pull_seconds": 4.2, ...}
+        <job>.lock         0600  held while the file changes (prolog and steps at once)
+
+The prolog writes its first facts before it pulls, so a prolog killed halfway still
+leaves the job's start and image for the record; the epilog reads the file and
+removes both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tfimage.agent.fsutil import held, read_json, write_json
+from tfimage.agent.ids import valid_job_id
+
+# A file no tfimage writer makes larger; a bigger one is not read.
+MAX_BYTES = 64 << 10
+
+
+def _dir(state_dir: str) -> Path:
+    d = Path(state_dir) / "usage"
+    Path(state_dir).mkdir(mode=0o755, parents=True, exist_ok=True)
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+def _path(state_dir: str, job_id: str) -> Path:
+    if not valid_job_id(job_id):
+        raise ValueError(f"invalid job id {job_id!r}")
+    return Path(state_dir) / "usage" / f"{job_id}.json"
+
+
+def _read(path: Path) -> dict[str, Any]:
+    doc = read_json(path, MAX_BYTES)
+    return doc if isinstance(doc, dict) else {}
+
+
+def load(state_dir: str, job_id: str) -> dict[str, Any]:
+    """The job's facts; empty when none were kept (no prolog ran, or it was removed)."""
+    return _read(_path(state_dir, job_id))
+
+
+def note(state_dir: str, job_id: str, **facts: Any) -> None:
+    """Merge ``facts`` into the job's file (a later value wins)."""
+    path = _path(state_dir, job_id)
+    _dir(state_dir)
+    with held(path.with_suffix(".lock")):
+        doc = _read(path)
+        doc.update(facts)
+        write_json(path, doc, mode=0o600)
+
+
+def note_max(state_dir: str, job_id: str, key: str, value: int) -> None:
+    """Keep the largest ``value`` seen for ``key`` (a job's steps may differ in size)."""
+    path = _path(state_dir, job_id)
+    _dir(state_dir)
+    with held(path.with_suffix(".lock")):
+        doc = _read(path)
+        old = doc.get(key)
+        if isinstance(old, int) and old >= value:
+            return
+        doc[key] = value
+        write_json(path, doc, mode=0o600)
+
+
+@contextlib.contextmanager
+def claimed(state_dir: str, job_id: str) -> Iterator[dict[str, Any]]:
+    """The epilog's hold on the job's facts: yields them and removes them when the
+    block ends, under their lock throughout, so that of two epilogs at once (Slurm
+    may start a second) one finds the facts and the other finds none: one record.
+    Nothing to claim (no prolog kept facts here) yields {} and makes nothing."""
+    path = _path(state_dir, job_id)
+    lock = path.with_suffix(".lock")
+    if not path.parent.is_dir():
+        yield {}
+        return
+    with held(lock):
+        try:
+            yield _read(path)
+        finally:
+            for p in (path, lock):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()

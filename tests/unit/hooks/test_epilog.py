@@ -1,0 +1,179 @@
+"""The epilog after every kind of job: nothing left on the node, the job recorded once.
+
+Real parts: a TLS registry, a real SIF pulled and mounted with squashfuse by the real
+prolog, a prolog killed with SIGKILL mid-pull.  Run as root, as slurmd runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hostile import Server
+
+from support import Registry
+from tfimage.epilog.main import main as epilog
+from tfimage.prolog.main import main as prolog
+
+VENV_BIN = Path(sys.executable).parent
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root: run as root")
+
+SLURM = ["--node=n1", "--user=alice", "--uid=1001", "--partition=gpu", "--account=proj"]
+
+
+def _site(tmp_path: Path, registry: Registry | None = None, **extra: object) -> Path:
+    settings: dict[str, object] = {
+        "registry": "r.invalid",
+        "cache_dir": tmp_path / "cache",
+        "state_dir": tmp_path / "state",
+        "hook_log": tmp_path / "hooks.log",
+        "usage_log": tmp_path / "usage.jsonl",
+        "metrics_dir": tmp_path / "metrics",
+        "connect_timeout": 2,
+        "read_timeout": 5,
+        **extra,
+    }
+    if registry is not None:
+        cfg = registry.write_site(tmp_path)
+        text = cfg.read_text()
+        for k in ("hook_log", "usage_log", "metrics_dir"):
+            text += f"{k}: {settings[k]}\n"
+        cfg.write_text(text)
+        return cfg
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()})
+    )
+    return cfg
+
+
+def _log(tmp_path: Path) -> list[str]:
+    path = tmp_path / "hooks.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _records(tmp_path: Path) -> list[dict[str, Any]]:
+    log = tmp_path / "usage.jsonl"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _mounts_under(path: Path) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f if line.split()[4].startswith(str(path))]
+
+
+def _job_traces(tmp_path: Path, job: str) -> list[str]:
+    """Everything of ``job`` in the node's state and cache: what the epilog must remove."""
+    state = tmp_path / "state"
+    found = [str(p) for p in state.rglob(f"{job}*")] if state.exists() else []
+    found += [str(p) for p in state.rglob(f"{job}.*")] if state.exists() else []
+    images = tmp_path / "cache" / "images"
+    for meta in images.glob("*.json") if images.exists() else []:
+        if job in json.loads(meta.read_text()).get("holders", []):
+            found.append(f"{meta}: holder {job}")
+    return sorted(set(found + _mounts_under(state)))
+
+
+@pytest.fixture
+def cached_image(registry: Registry, make_sif: Callable[[dict[str, str]], Path]) -> str:
+    digest = registry.client().push_sif("library/usagey", "1", make_sif({"m": "1"}))
+    return f"{registry.host}/library/usagey:1@{digest}"
+
+
+def test_the_epilog_twice_after_a_whole_job_leaves_nothing_and_records_it_once(
+    registry: Registry, cached_image: str, tmp_path: Path
+) -> None:
+    cfg = _site(tmp_path, registry)
+    (tmp_path / "metrics").mkdir()  # node_exporter's textfile directory
+    job = ["--job=31", f"--image={cached_image}"]
+    assert prolog([f"--config={cfg}", *job]) == 0
+    # While the job runs: its mount, its hold on the image, its state and usage facts.
+    during = _job_traces(tmp_path, "31")
+    assert any("/jobs/31/img-" in t for t in during), during
+    assert any("holder 31" in t for t in during) and any("/usage/31.json" in t for t in during)
+    args = [f"--config={cfg}", *job, "--asked=usagey:1", "--exit=0:0", *SLURM]
+    assert epilog(args) == 0
+    assert epilog(args) == 0  # Slurm may run it again (a slurmd restart): harmless
+    assert _job_traces(tmp_path, "31") == []
+    assert _log(tmp_path) == [] or "error" not in "".join(_log(tmp_path)).lower()
+    (rec,) = _records(tmp_path)
+    assert rec["image"] == cached_image and rec["image_asked"] == "usagey:1"
+    assert (rec["cache"], rec["source"], rec["state"], rec["exit_code"]) == (
+        "miss",
+        registry.host,
+        "COMPLETED",
+        0,
+    )
+    assert rec["pull_bytes"] > 0 and rec["repository"] == "library/usagey"
+    assert (rec["node"], rec["user"], rec["uid"], rec["partition"]) == ("n1", "alice", 1001, "gpu")
+    prom = (tmp_path / "metrics" / "tfimage.prom").read_text()
+    assert 'tfimage_jobs_total{repository="library/usagey"} 1' in prom
+    assert 'tfimage_cache_misses_total{repository="library/usagey"} 1' in prom
+
+
+def test_after_a_prolog_killed_halfway_the_epilog_leaves_nothing_and_says_why(
+    tls: Path, tmp_path: Path
+) -> None:
+    s = Server(tls)
+    try:
+        s.serve(os.urandom(4 << 20), delay=0.5)  # a trickle: the prolog is mid-download
+        cfg = _site(tmp_path, registry=None, ca_bundle=tls / "ca.crt")
+        cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "registry": s.host}))
+        p = subprocess.Popen(
+            [str(VENV_BIN / "tfimage-prolog"), f"--config={cfg}", "--job=32", "--image=x:1"],
+        )
+        for _ in range(100):
+            if any("/blobs/" in path for path, _ in s.b.seen):
+                break
+            time.sleep(0.1)
+        assert any("/blobs/" in path for path, _ in s.b.seen), "the pull never started"
+        p.send_signal(signal.SIGKILL)  # slurmd past PrologEpilogTimeout, the OOM killer
+        p.wait(30)
+    finally:
+        s.httpd.shutdown()
+    assert _job_traces(tmp_path, "32"), "the killed prolog left nothing to clean: no test"
+    assert epilog([f"--config={cfg}", "--job=32", "--image=x:1", "--exit=1:0", *SLURM]) == 0
+    assert _job_traces(tmp_path, "32") == []
+    assert _log(tmp_path) == []
+    (rec,) = _records(tmp_path)
+    # The job is recorded as far as the prolog got: its start, no image readied.
+    assert rec["cache"] is None and rec["state"] == "FAILED" and rec["exit_code"] == 1
+    assert rec["wall_seconds"] > 0 and rec["image"] == "x:1"
+
+
+def test_a_job_without_tf_image_gets_no_record_and_leaves_no_trace(tmp_path: Path) -> None:
+    cfg = _site(tmp_path)
+    assert prolog([f"--config={cfg}", "--job=33"]) == 0
+    assert epilog([f"--config={cfg}", "--job=33", "--exit=0:0", *SLURM]) == 0
+    assert epilog([f"--config={cfg}", "--job=33", "--exit=0:0", *SLURM]) == 0
+    assert _records(tmp_path) == [] and _job_traces(tmp_path, "33") == []
+    assert _log(tmp_path) == []
+
+
+def test_an_image_that_could_not_be_pulled_is_recorded_with_the_reason(tmp_path: Path) -> None:
+    cfg = _site(tmp_path)  # r.invalid: no such registry
+    assert prolog([f"--config={cfg}", "--job=34", "--image=tf-custom:2.1"]) == 0
+    assert epilog([f"--config={cfg}", "--job=34", "--image=tf-custom:2.1",
+                   "--asked=tf-custom:2.1", "--exit=3:0", *SLURM]) == 0  # fmt: skip
+    (rec,) = _records(tmp_path)
+    assert rec["image_error"] and "r.invalid" in rec["image_error"]
+    assert (rec["state"], rec["exit_code"], rec["repository"]) == ("FAILED", 3, "library/tf-custom")
+
+
+def test_two_epilogs_at_once_record_the_job_once(tmp_path: Path) -> None:
+    cfg = _site(tmp_path)
+    assert prolog([f"--config={cfg}", "--job=35", "--image=x:1"]) == 0  # r.invalid: fails
+    argv = [str(VENV_BIN / "tfimage-epilog"), f"--config={cfg}", "--job=35", "--image=x:1",
+            "--exit=0:0", *SLURM]  # fmt: skip
+    procs = [subprocess.Popen(argv) for _ in range(2)]
+    assert [p.wait(60) for p in procs] == [0, 0]
+    assert len(_records(tmp_path)) == 1 and _job_traces(tmp_path, "35") == []
