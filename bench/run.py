@@ -1,9 +1,12 @@
 """tfimage benchmarks: one command, ratios against baselines measured in the same run.
 
-    python bench/run.py [all|launch|pull|gpu] [--runs N]
+    python bench/run.py [all|launch|pull|gpu|usage] [--runs N]
 
 - gpu: see bench/gpu.py (the GPU gate on 8 fake GPUs, in process and as the
   prolog, against the same NVML reads bare).  Needs no cluster.
+
+- usage: see bench/usage.py (`tfimage usage report` over 100,000 records from 8
+  nodes against reading and parsing the same lines).  Needs no cluster.
 
 - pull: see bench/pull.py (verified pull against curl and oras-py, 16 at once,
   warm hits, cache ls over 10,000 entries).
@@ -70,14 +73,20 @@ def timed(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("what", nargs="?", choices=("all", "launch", "pull", "gpu"), default="all")
+    ap.add_argument(
+        "what", nargs="?", choices=("all", "launch", "pull", "gpu", "usage"), default="all"
+    )
     ap.add_argument("--runs", type=int, default=0, help="runs per measurement")
     args = ap.parse_args()
     if args.what in ("all", "gpu"):
         import gpu
 
         gpu.main(args.runs or 15)
-    if args.what == "gpu":
+    if args.what in ("all", "usage"):
+        import usage
+
+        usage.main(args.runs or 5)
+    if args.what in ("gpu", "usage"):
         return
     env = cluster_env()
     if args.what in ("all", "pull"):

@@ -273,6 +273,10 @@ def build_parser(daemon: Handler | None = None) -> argparse.ArgumentParser:
 
     register_gpu(sub)
 
+    from tfimage.agent.cli.usage import register as register_usage
+
+    register_usage(sub)
+
     from tfimage.agent.cli.plugin import register as register_plugin
 
     register_plugin(sub)
