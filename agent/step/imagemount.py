@@ -2,10 +2,14 @@
 
 Under ``state_dir/jobs/<jobid>/`` (root-owned)::
 
-    img-<hex12>/          the SIF's squashfs partition, via squashfuse
-                          (ro,nosuid,nodev)
-    step-<stepid>/skel/   empty directories to bind host paths onto (0755), and
-                          empty files for a GPU step's driver (0644)
+    img-<hex12>/          the SIF's squashfs partition (ro,nosuid,nodev), by the
+                          first driver of the config's image_mount that works here:
+                          the kernel's squashfs on a loop device (freed with the
+                          mount), squashfuse_ll or squashfuse
+    step-<stepid>/skel/   empty directories to bind host paths onto (0755),
+                          empty files for a GPU step's driver (0644), and the
+                          batch step's stand-ins for Slurm's commands (0755,
+                          slurmstubs.py)
     step-<stepid>/root/   overlay of skel over the image (ro,nosuid,nodev):
                           what ch-run runs
 

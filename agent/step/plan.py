@@ -24,7 +24,7 @@ from tfimage.agent.errors import (
     TfimageError,
 )
 from tfimage.agent.logtext import oneline
-from tfimage.agent.step import imagemount
+from tfimage.agent.step import imagemount, slurmstubs
 from tfimage.agent.step.binds import parse_site_binds, parse_user_binds, under
 from tfimage.agent.step.gpudriver import LIB_DIR as DRIVER_LIB_DIR
 from tfimage.agent.step.gpudriver import driver_binds

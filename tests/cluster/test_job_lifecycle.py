@@ -53,6 +53,25 @@ def test_sbatch_single_task_script_runs_inside_image(cluster: Cluster, workdir: 
     assert (workdir / "result.txt").stat().st_uid == uid
 
 
+def test_srun_in_a_one_task_script_in_the_image_says_what_to_do(
+    cluster: Cluster, workdir: Path
+) -> None:
+    r, out = cluster.sbatch(
+        workdir,
+        "job.sh",
+        (
+            "#!/bin/sh\n#SBATCH --tf-image=tiny:1.0\n#SBATCH -o out.txt\n"
+            "srun hostname\necho \"srun=$?\"\nscontrol show job\necho \"scontrol=$?\"\n"
+        ),
+        "out.txt",
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tfimage: srun: this batch script runs inside the image" in out, out
+    assert "--tf-batch=host" in out and "srun=127" in out and "scontrol=127" in out, out
+    assert "not found" not in out
+
+
 def test_multi_node_batch_runs_on_host_and_srun_inherits_image(
     cluster: Cluster, workdir: Path
 ) -> None:
