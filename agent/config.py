@@ -7,6 +7,7 @@ Hooks are told the path explicitly; nothing here reads a job's environment.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import re
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from tfimage.agent.reference import Reference, check_allowed, parse_reference
 
 DEFAULT_PATH = Path("/etc/tfimage/config.yaml")
 RUNTIMES = ("charliecloud", "apptainer", "singularity")
+MOUNT_DRIVERS = ("kernel", "squashfuse_ll", "squashfuse")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,15 @@ class Config:
     # node_exporter's textfile collector directory (Debian's default), written where
     # it exists; "" for none.
     metrics_dir: str = "/var/lib/prometheus/node-exporter"
+    # How an image is mounted for charliecloud, in order of preference; each one not
+    # available on the node (no loop device, no squashfs module, not installed) is
+    # skipped with a log line.  "kernel" (a loop device and the kernel's squashfs,
+    # the fastest: no FUSE process) makes the kernel parse the image as root, so it
+    # is tried only for repositories in image_mount_kernel (globs, e.g.
+    # "library/tf-*"): images the admin trusts.  The FUSE drivers parse it in a
+    # process of their own, as Apptainer does for unprivileged images by default.
+    image_mount: tuple[str, ...] = ("squashfuse_ll", "squashfuse")
+    image_mount_kernel: tuple[str, ...] = ()
     # The GPU gate (gpuconfig.py documents every key).
     gpu: GpuPolicy = field(default_factory=GpuPolicy)
 
@@ -92,6 +103,11 @@ class Config:
             return [ref.registry, *(m for m in self.mirrors if m != ref.registry)]
         return [ref.registry]
 
+    def mount_drivers(self, repository: str) -> tuple[str, ...]:
+        """The image mount drivers to try for an image of ``repository``, in order."""
+        trusted = any(fnmatch.fnmatchcase(repository, g) for g in self.image_mount_kernel)
+        return tuple(d for d in self.image_mount if d != "kernel" or trusted)
+
     def reference(self, text: str) -> Reference:
         """Parse ``text`` with this site's defaults and allowlist."""
         ref = parse_reference(text, self.registry, self.project)
@@ -99,7 +115,14 @@ class Config:
         return ref
 
 
-_TUPLES = {"mirrors", "allowed_registries", "default_binds", "bind_prefixes", "token_realms"}
+_TUPLES = {
+    "mirrors",
+    "allowed_registries",
+    "default_binds",
+    "bind_prefixes",
+    "token_realms",
+    "image_mount_kernel",
+}
 _FLOATS = {
     "connect_timeout",
     "read_timeout",
@@ -120,6 +143,19 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 def _coerce(key: str, value: Any, path: Path) -> Any:
     if key == "gpu":
         return gpu_policy(value, path)
+    if key == "image_mount":
+        drivers = [value] if isinstance(value, str) else value
+        if (
+            not isinstance(drivers, list)
+            or not drivers
+            or not all(isinstance(d, str) and d in MOUNT_DRIVERS for d in drivers)
+            or len(set(drivers)) != len(drivers)
+        ):
+            raise ConfigError(
+                f"{path}: 'image_mount' must be one or more of {', '.join(MOUNT_DRIVERS)}, "
+                "in order of preference, each once"
+            )
+        return tuple(drivers)
     if key == "site_env":
         if not isinstance(value, dict) or not all(
             isinstance(k, str) and _ENV_NAME.match(k) and isinstance(v, str)

@@ -28,9 +28,10 @@ home, batch script directory) without ever touching the user's paths as root.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from tfimage.agent import toolrun
@@ -44,6 +45,8 @@ MOUNT_TIMEOUT = 30.0
 MOUNT_FLAGS = "ro,nosuid,nodev"
 # Directories a job's user must traverse but has no reason to list.
 TRAVERSE_ONLY = 0o711
+
+log = logging.getLogger("tfimage.mount")
 
 
 def job_dir(state_dir: str, job_id: str) -> Path:
@@ -105,8 +108,15 @@ def _mkdirs(state_dir: Path, path: Path, mode: int = 0o755) -> None:
         os.close(fd)
 
 
-def mount_image(state_dir: str, job_id: str, sif: Path, digest: str) -> Path:
-    """Mount the SIF's root partition for this job (idempotent)."""
+def mount_image(
+    state_dir: str,
+    job_id: str,
+    sif: Path,
+    digest: str,
+    drivers: Sequence[str] = ("squashfuse",),
+) -> Path:
+    """Mount the SIF's root partition for this job (idempotent), with the first of
+    ``drivers`` that works on this node; each that does not is logged and skipped."""
     base = job_dir(state_dir, job_id)
     target = base / f"img-{digest.split(':')[1][:12]}"
     if mounted(target):
@@ -115,18 +125,36 @@ def mount_image(state_dir: str, job_id: str, sif: Path, digest: str) -> Path:
     _mkdirs(Path(state_dir), target)
     with sif.open("rb") as f:
         part = root_partition(f, sif.stat().st_size)
-    toolrun.run(
-        [
-            "squashfuse",
-            "-o",
-            f"{MOUNT_FLAGS},offset={part.offset},allow_other",
-            str(sif),
-            str(target),
-        ],
-        timeout=MOUNT_TIMEOUT,
-        what="mounting the image",
-    )
-    return target
+    if not drivers:
+        raise RuntimeSetupError("no image mount driver is configured (image_mount)")
+    last: RuntimeSetupError | None = None
+    for driver in drivers:
+        try:
+            toolrun.run(_mount_argv(driver, sif, part.offset, target), timeout=MOUNT_TIMEOUT,
+                        what=f"mounting the image ({driver})")  # fmt: skip
+            return target
+        except RuntimeSetupError as e:
+            if mounted(target):  # it did mount, then said something: keep it
+                return target
+            last = e
+            if driver != drivers[-1]:
+                log.warning("image mount: %s: %s; trying the next driver", driver, e)
+    assert last is not None
+    raise last
+
+
+def _mount_argv(driver: str, sif: Path, offset: int, target: Path) -> list[str]:
+    if driver == "kernel":
+        # mount(8) sets the loop device up with autoclear: it goes with the mount.
+        options = f"{MOUNT_FLAGS},loop,offset={offset}"
+        return ["mount", "-t", "squashfs", "-o", options, str(sif), str(target)]
+    if driver in ("squashfuse_ll", "squashfuse"):
+        tool = shutil.which(driver, path="/usr/local/bin:/usr/bin:/bin")
+        if not tool:
+            raise RuntimeSetupError(f"{driver} is not installed on this node")
+        options = f"{MOUNT_FLAGS},offset={offset},allow_other"
+        return [tool, "-o", options, str(sif), str(target)]
+    raise RuntimeSetupError(f"unknown image mount driver {driver!r}")
 
 
 def step_root(
@@ -136,9 +164,10 @@ def step_root(
     image: Path,
     mountpoints: Iterable[str],
     files: Iterable[str] = (),
+    scripts: Mapping[str, str] | None = None,
 ) -> Path:
-    """A read-only overlay of the image with ``mountpoints`` present as directories
-    and ``files`` as empty files."""
+    """A read-only overlay of the image with ``mountpoints`` present as directories,
+    ``files`` as empty files and ``scripts`` ({path: text}) as executables."""
     if not valid_step_id(step_id):
         raise RuntimeSetupError(f"invalid step id {step_id!r}")
     base = job_dir(state_dir, job_id) / f"step-{step_id}"
@@ -146,9 +175,12 @@ def step_root(
     skel = base / "skel"
     wanted = [safe_abspath(p, "mount point").lstrip("/") for p in mountpoints]
     wanted_files = [safe_abspath(p, "mount point").lstrip("/") for p in files]
+    wanted_scripts = {
+        safe_abspath(p, "command").lstrip("/"): text for p, text in (scripts or {}).items()
+    }
     if mounted(root):
         if all((skel / p).is_dir() for p in wanted) and all(
-            (skel / p).is_file() for p in wanted_files
+            (skel / p).is_file() for p in [*wanted_files, *wanted_scripts]
         ):
             return root
         # A task found its working directory missing: rebuild before it enters.
@@ -164,6 +196,13 @@ def step_root(
         # skel is root's own tree (no link in it but those _mkdirs refused)
         fd = os.open(skel / p, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         os.close(fd)
+    for p, text in wanted_scripts.items():
+        _mkdirs(Path(state_dir), (skel / p).parent)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(skel / p, flags, 0o755)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o755)
+            f.write(text)
     _mkdirs(Path(state_dir), root)
     toolrun.run(
         [

@@ -113,7 +113,11 @@ def _ready(
         assert cached.ref.digest
         with imagemount.job_lock(cfg.state_dir, job_id):
             image_dir = imagemount.mount_image(
-                cfg.state_dir, job_id, cached.path, cached.ref.digest
+                cfg.state_dir,
+                job_id,
+                cached.path,
+                cached.ref.digest,
+                cfg.mount_drivers(cached.ref.repository),
             )
         return cached, image_dir
     except Exception as e:
@@ -226,6 +230,8 @@ def _step_argv(
     cached, image_dir = _ready(cfg, req.job_id, req.image, runtime, cache)
     if image_dir is None:
         return runtime.prefix(cached.path, spec)
+    # A batch script in the image: srun and its kin say why they are missing.
+    scripts = slurmstubs.stubs(image_dir) if req.script else {}
     with imagemount.job_lock(cfg.state_dir, req.job_id):
         root = imagemount.step_root(
             cfg.state_dir,
@@ -234,5 +240,6 @@ def _step_argv(
             image_dir,
             [*runtime.required_dirs, *spec.mountpoints()],
             spec.files(),
+            scripts,
         )
     return runtime.prefix(root, spec)
