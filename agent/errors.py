@@ -14,6 +14,7 @@
     +-- ImageError               the image can't be had; never drains a node (exit 3)
     |   +-- RegistryError        auth refused, not found, bad answer
     |   |   +-- RegistryUnreachable  no answer (connection, timeout, 5xx) after retries
+    |   |   |   +-- RegistryStalled  no byte within the read timeout: not asked again
     |   |   +-- RangeUnsupported     Range answered with the whole blob (caller streams it)
     |   +-- VerificationError    size, digest, media type or SIF magic wrong
     |   +-- CacheError           the node cache can't store or publish it
@@ -75,6 +76,12 @@ class RegistryError(ImageError):
 
 class RegistryUnreachable(RegistryError):  # noqa: N818 - it names a state, like ConnectionRefused
     pass
+
+
+class RegistryStalled(RegistryUnreachable):
+    """It stopped answering for a whole read timeout: asking again would cost as much
+    again, so the pull ends at once and the user learns why within one timeout (a
+    mirror is still tried)."""
 
 
 class RangeUnsupported(RegistryError):  # noqa: N818 - it names a state

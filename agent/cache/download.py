@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tfimage.agent.errors import RegistryUnreachable
+from tfimage.agent.errors import RegistryStalled, RegistryUnreachable
 
 if TYPE_CHECKING:
     from tfimage.agent.registry.client import RegistryClient
@@ -152,9 +152,11 @@ class Download:
                             self.deliver(_Block(pos - filled, filled, view))
                             if pos < b:
                                 view, filled = self.buffer(), 0
-            except RegistryUnreachable:
+            except RegistryUnreachable as e:
                 attempt += 1
-                if attempt >= ATTEMPTS or self.stop.is_set():
+                # A stalled registry is not asked again: it would cost another whole
+                # read timeout before the user learns anything.
+                if isinstance(e, RegistryStalled) or attempt >= ATTEMPTS or self.stop.is_set():
                     if filled:  # kept, if it continues the prefix: the next pull goes on
                         self.deliver(_Block(pos - filled, filled, view))
                     raise

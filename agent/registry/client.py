@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 from tfimage.agent.errors import (
     RangeUnsupported,
     RegistryError,
+    RegistryStalled,
     RegistryUnreachable,
     VerificationError,
 )
@@ -32,6 +33,7 @@ from tfimage.agent.registry.transport import (
     TLSError,
     Transport,
     TransportError,
+    TransportTimeout,
 )
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -90,6 +92,11 @@ class BlobReader:
                 self._skip -= n
             while got < len(want) and (n := self._resp.readinto(want[got:])):
                 got += n
+        except TransportTimeout as e:
+            if not got:
+                raise RegistryStalled(f"{self._host}: download stalled: {_short(e)}") from None
+            self.left -= got
+            return got
         except TransportError as e:
             if not got:
                 raise RegistryUnreachable(
@@ -176,6 +183,8 @@ class RegistryClient:
                 raise RegistryError(f"{self.host}: TLS verification failed: {_short(e)}") from None
             except RedirectRefused as e:
                 raise RegistryError(f"{self.host}: {_short(e)}") from None
+            except TransportTimeout as e:  # stalled: asking again costs as much again
+                raise RegistryStalled(f"{self.host}: no answer: {_short(e)}") from None
             except TransportError as e:
                 attempt += 1
                 if attempt >= self._attempts:

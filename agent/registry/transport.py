@@ -29,6 +29,18 @@ class TransportError(Exception):
     """No usable answer: connection refused or reset, timeout, a read that broke off."""
 
 
+class TransportTimeout(TransportError):  # noqa: N818 - it names what happened
+    """Nothing came within the timeout: a peer that stalled (or a SIGSTOPped one)."""
+
+
+def _failed(e: BaseException) -> TransportError:
+    """The transport's error for ``e``: a timeout stays a timeout."""
+    text = str(e) or type(e).__name__
+    if isinstance(e, TimeoutError) or "timed out" in text.lower():
+        return TransportTimeout(text)
+    return TransportError(text)
+
+
 class TLSError(TransportError):
     """The peer's certificate was not accepted."""
 
@@ -137,14 +149,14 @@ class _StdlibResponse(_Closing):
         try:
             return self._resp.read(n)
         except (OSError, http.client.HTTPException) as e:
-            raise TransportError(str(e) or type(e).__name__) from None
+            raise _failed(e) from None
 
     def readinto(self, buf: memoryview) -> int:
         try:
             # Straight from the TLS layer into the caller's buffer: no bytes object.
             return self._resp.readinto(buf)
         except (OSError, http.client.HTTPException) as e:
-            raise TransportError(str(e) or type(e).__name__) from None
+            raise _failed(e) from None
 
     def close(self) -> None:
         # Unread bytes would be taken for the next response on this kept-alive
@@ -223,7 +235,7 @@ class StdlibTransport:
                 # ValueError: http.client refusing what an answer led to (a URL or a
                 # header it will not send): the registry's fault, not ours.
                 conn.close()
-                raise TransportError(str(e) or type(e).__name__) from None
+                raise _failed(e) from None
             if resp.status in _REDIRECTS and method in ("GET", "HEAD"):
                 location = resp.getheader("Location", "")
                 # A redirect's body is nothing we want: a small one is drained (the
@@ -264,7 +276,7 @@ class _RequestsResponse(_Closing):
             # the hash, is what limits a naive verified download.
             return self._resp.raw.read(n, decode_content=False)  # type: ignore[no-any-return]
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
-            raise TransportError(str(e) or type(e).__name__) from None
+            raise _failed(e) from None
 
     def readinto(self, buf: memoryview) -> int:
         got = 0
@@ -324,7 +336,9 @@ class RequestsTransport:
                 )
             except requests.exceptions.SSLError as e:
                 raise TLSError(_first_line(e)) from None
-            except requests.RequestException as e:  # connection, timeout and the rest
+            except requests.Timeout as e:
+                raise TransportTimeout(_first_line(e)) from None
+            except requests.RequestException as e:  # connection and the rest
                 raise TransportError(_first_line(e)) from None
             if resp.status_code in _REDIRECTS and method in ("GET", "HEAD"):
                 location = resp.headers.get("Location", "")

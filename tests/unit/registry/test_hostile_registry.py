@@ -24,7 +24,13 @@ from hostile import SIF_LAYER, Server, digest_of
 from support import at_once, flock_waiters, wait_for
 from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.config import load_config
-from tfimage.agent.errors import CacheError, RegistryError, RegistryUnreachable, VerificationError
+from tfimage.agent.errors import (
+    CacheError,
+    RegistryError,
+    RegistryStalled,
+    RegistryUnreachable,
+    VerificationError,
+)
 from tfimage.agent.registry.access import client_for
 from tfimage.agent.registry.client import RegistryClient
 from tfimage.agent.registry.credentials import Credential
@@ -174,6 +180,27 @@ def test_a_download_that_keeps_breaking_fails_and_the_next_pull_resumes(
     # From the kept prefix's last whole 4 KiB block (O_DIRECT writes aligned ones).
     assert server.b.ranges == [f"bytes={kept - kept % 4096}-"]
     assert got.path.read_bytes() == blob
+
+
+def test_a_registry_that_stalls_mid_download_fails_the_pull_within_one_read_timeout(
+    server: Server,
+    cache_for: CacheFor,
+    make_sif: Callable[[dict[str, str]], Path],
+) -> None:
+    # A registry SIGSTOPped mid-pull: the connection stays open and nothing comes.
+    # A broken connection is asked again (above); a stalled one is not: it would cost
+    # another whole read timeout (and the prolog's retries, the user's wait) for nothing.
+    blob = a_sif(make_sif, size=3_000_000)
+    server.serve(blob, delay=30.0)  # the first 64 KiB, then silence
+    cache = cache_for(server, read_timeout=1)
+    started = time.monotonic()
+    with pytest.raises(RegistryStalled, match=r"stalled|timed out"):
+        cache.ensure(cache.cfg.reference("x:1"))
+    took = time.monotonic() - started
+    assert took < 1 + 3, took  # one read timeout, and a little for TLS and the manifest
+    assert sum("/blobs/" in path for path, _ in server.b.seen) == 1
+    [partial] = (cache.root / "tmp").iterdir()  # what came is kept for the next pull
+    assert partial.read_bytes() == blob[: partial.stat().st_size]
 
 
 def kill_9_pull_when(config: Path, ready: Callable[[], bool]) -> None:
