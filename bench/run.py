@@ -1,12 +1,15 @@
 """tfimage benchmarks: one command, ratios against baselines measured in the same run.
 
-    python bench/run.py [all|launch|pull|gpu|usage] [--runs N]
+    python bench/run.py [all|launch|pull|gpu|usage|start] [--runs N]
 
 - gpu: see bench/gpu.py (the GPU gate on 8 fake GPUs, in process and as the
   prolog, against the same NVML reads bare).  Needs no cluster.
 
 - usage: see bench/usage.py (`tfimage usage report` over 100,000 records from 8
   nodes against reading and parsing the same lines).  Needs no cluster.
+
+- start: see bench/start.py (`import tensorflow` in the image with each mount
+  driver against the unpacked tree, warm, cold and 4 at once).  Needs no cluster.
 
 - pull: see bench/pull.py (verified pull against curl and oras-py, 16 at once,
   warm hits, cache ls over 10,000 entries).
@@ -74,7 +77,10 @@ def timed(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
-        "what", nargs="?", choices=("all", "launch", "pull", "gpu", "usage"), default="all"
+        "what",
+        nargs="?",
+        choices=("all", "launch", "pull", "gpu", "usage", "start"),
+        default="all",
     )
     ap.add_argument("--runs", type=int, default=0, help="runs per measurement")
     args = ap.parse_args()
@@ -86,7 +92,11 @@ def main() -> None:
         import usage
 
         usage.main(args.runs or 5)
-    if args.what in ("gpu", "usage"):
+    if args.what in ("all", "start"):
+        import start
+
+        start.main(args.runs or 3)
+    if args.what in ("gpu", "usage", "start"):
         return
     env = cluster_env()
     if args.what in ("all", "pull"):
