@@ -365,7 +365,8 @@ def check_leftovers(ctx: Context) -> Iterator[Finding]:
     left = []
     for proc in psutil.process_iter(["pid", "name", "cmdline"]):
         cmd = proc.info.get("cmdline") or []
-        ours = proc.info.get("name") == "squashfuse" and cmd and cmd[-1].startswith(jobs)
+        fuse = proc.info.get("name") in ("squashfuse", "squashfuse_ll")  # image_mount's
+        ours = fuse and cmd and cmd[-1].startswith(jobs)
         if ours and cmd[-1] not in mounted:
             left.append(f"{proc.info['pid']} ({cmd[-1]})")
     if left:

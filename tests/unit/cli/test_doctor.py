@@ -102,7 +102,7 @@ def test_a_nearly_full_cache_and_a_leftover_mount_process_are_named(
     subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(cache)], check=True
     )
-    fake = tmp_path / "bin" / "squashfuse"  # a real process by that name
+    fake = tmp_path / "bin" / "squashfuse_ll"  # a real process by the default driver's name
     fake.parent.mkdir()
     fake.write_text('#!/bin/sh\nsleep "$1"\n')
     fake.chmod(0o755)
@@ -112,7 +112,7 @@ def test_a_nearly_full_cache_and_a_leftover_mount_process_are_named(
     # fails the other host's leftover check).
     left = subprocess.Popen([str(fake), "300", str(gone)], start_new_session=True)
     for _ in range(100):  # until it has exec'd (its name is the program's)
-        if Path(f"/proc/{left.pid}/comm").read_text().strip() == "squashfuse":
+        if Path(f"/proc/{left.pid}/comm").read_text().strip() == "squashfuse_ll":
             break
         time.sleep(0.02)
     try:
