@@ -22,11 +22,14 @@ from tfimage.agent.cli.main import main as cli
 from tfimage.agent.errors import InputError
 from tfimage.agent.usage import record, report
 
+RECORDS = 100_000
+
 
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Gen]]:
     root = tmp_path_factory.mktemp("usage")
-    return root, generate(root, 6000, nodes=8)
+    # The size: 100,000 records from 8 nodes (its speed is bench/run.py usage's).
+    return root, generate(root, RECORDS, nodes=8)
 
 
 def _p90(values: list[float]) -> float:
@@ -40,7 +43,7 @@ def test_the_summary_equals_an_independent_computation(
 ) -> None:
     root, gens = logs
     loaded = report.load([str(root)], by=by)
-    assert loaded.files == 24 and len(loaded.jobs) == 6000 and loaded.skipped == 0
+    assert loaded.files == 24 and len(loaded.jobs) == RECORDS and loaded.skipped == 0
     want: dict[str, list[Gen]] = defaultdict(list)
     for g in gens:
         want[
@@ -167,7 +170,7 @@ def test_the_command_prints_a_table_a_person_reads_and_json_for_scripts(
     assert sorted(row.split()[0] for row in rows) == ["debug", "gpu", "long"]
     j = _run(str(root), "--trend", "week", "--json")
     doc: dict[str, Any] = json.loads(j.stdout)
-    assert doc["records"] == 6000 and sum(r["jobs"] for r in doc["trend"]) == 6000
+    assert doc["records"] == RECORDS and sum(r["jobs"] for r in doc["trend"]) == RECORDS
 
 
 @pytest.mark.parametrize(
