@@ -7,7 +7,6 @@ Hooks are told the path explicitly; nothing here reads a job's environment.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
 import re
 from collections.abc import Iterator
@@ -103,9 +102,16 @@ class Config:
             return [ref.registry, *(m for m in self.mirrors if m != ref.registry)]
         return [ref.registry]
 
-    def mount_drivers(self, repository: str) -> tuple[str, ...]:
-        """The image mount drivers to try for an image of ``repository``, in order."""
-        trusted = any(fnmatch.fnmatchcase(repository, g) for g in self.image_mount_kernel)
+    def mount_drivers(self, origin: str | None) -> tuple[str, ...]:
+        """The image mount drivers to try for a cached image, in order.  ``origin`` is
+        where its bytes were pulled from (``registry/repository``, the cache's
+        metadata, never the name a later job used for the same digest): ``kernel``
+        only for the site's registry (or a mirror) and a repository matching
+        ``image_mount_kernel``, where ``*`` matches within one path segment."""
+        host, _, repository = (origin or "").partition("/")
+        trusted = host in (self.registry, *self.mirrors) and any(
+            _segment_glob(g).match(repository) for g in self.image_mount_kernel
+        )
         return tuple(d for d in self.image_mount if d != "kernel" or trusted)
 
     def reference(self, text: str) -> Reference:
@@ -138,6 +144,11 @@ _INTS = {
 }
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def _segment_glob(pattern: str) -> re.Pattern[str]:
+    """``library/tf-*`` as a regex: ``*`` never crosses a ``/``; nothing else is special."""
+    return re.compile("".join("[^/]*" if c == "*" else re.escape(c) for c in pattern) + r"\Z")
 
 
 def _coerce(key: str, value: Any, path: Path) -> Any:

@@ -4,7 +4,8 @@ Layout under ``cache_dir`` (root-owned, 0755)::
 
     images/sha256-<hex>.sif     published images, mode 0444, never rewritten
     images/sha256-<hex>.json    metadata: refs, size, created, last_used, kept,
-                                holders (jobs), blob, source (who served it)
+                                holders (jobs), blob, source (who served it),
+                                origin (the registry/repository it was pulled as)
     locks/sha256-<hex>.lock     one flock per digest, so one download per image
     tmp/                        downloads in progress, same filesystem as images/
     tmp/sha256-<hex>.partial    a download in progress or interrupted: always a prefix
@@ -227,6 +228,10 @@ class ImageCache:
 
         def change(meta: dict[str, Any]) -> None:
             meta.update(created=now, last_used=now, size=size, source=source)
+            # Where the bytes came from (registry/repository as asked), for trust: the
+            # registry served this digest from that repository.  Later names (refs,
+            # from _touch) only say who used it.
+            meta.setdefault("origin", ref.name)
             if blob:
                 meta["blob"] = blob
             name = f"{ref.name}:{ref.tag}" if ref.tag else ref.name

@@ -126,7 +126,10 @@ def mount_image(
     with sif.open("rb") as f:
         part = root_partition(f, sif.stat().st_size)
     if not drivers:
-        raise RuntimeSetupError("no image mount driver is configured (image_mount)")
+        raise RuntimeSetupError(
+            "no image mount driver may mount this image: image_mount has only kernel, and "
+            "image_mount_kernel does not list where it came from"
+        )
     last: RuntimeSetupError | None = None
     for driver in drivers:
         try:
@@ -134,8 +137,9 @@ def mount_image(
                         what=f"mounting the image ({driver})")  # fmt: skip
             return target
         except RuntimeSetupError as e:
-            if mounted(target):  # it did mount, then said something: keep it
-                return target
+            if mounted(target):  # it mounted, then failed (a timeout): not trusted
+                toolrun.run(["umount", "-l", str(target)], timeout=MOUNT_TIMEOUT,
+                            what="unmounting a failed mount")  # fmt: skip
             last = e
             if driver != drivers[-1]:
                 log.warning("image mount: %s: %s; trying the next driver", driver, e)
@@ -178,6 +182,8 @@ def step_root(
     wanted_scripts = {
         safe_abspath(p, "command").lstrip("/"): text for p, text in (scripts or {}).items()
     }
+    for p in [*wanted, *wanted_files]:  # a bind lands there: it wins over a stand-in
+        wanted_scripts.pop(p, None)
     if mounted(root):
         if all((skel / p).is_dir() for p in wanted) and all(
             (skel / p).is_file() for p in [*wanted_files, *wanted_scripts]

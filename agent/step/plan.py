@@ -105,7 +105,8 @@ def _ready(
     if known and not ref.digest:
         ref = cfg.reference(known)  # what the job was pinned to, not what the tag is now
     try:
-        cached = (cache or ImageCache(cfg)).ensure(ref, job=job_id)
+        cache = cache or ImageCache(cfg)
+        cached = cache.ensure(ref, job=job_id)
         if not known:
             record.set_pinned(key, str(cached.ref))
         if not runtime.needs_mount:
@@ -117,7 +118,7 @@ def _ready(
                 job_id,
                 cached.path,
                 cached.ref.digest,
-                cfg.mount_drivers(cached.ref.repository),
+                cfg.mount_drivers(cache.read_meta(cached.ref.digest).get("origin")),
             )
         return cached, image_dir
     except Exception as e:

@@ -3,7 +3,6 @@ with the job; one a node lacks is skipped, saying so; ``kernel`` only where trus
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tfimage.agent.config import config_from_mapping
+from support import Registry
+from tfimage.agent.cache.store import ImageCache
+from tfimage.agent.config import config_from_mapping, load_config
 from tfimage.agent.errors import ConfigError
-from tfimage.agent.step import imagemount
+from tfimage.agent.step import imagemount, slurmstubs
 
 FSTYPE = {
     "kernel": "squashfs",
@@ -111,16 +112,63 @@ def test_a_bad_image_mount_is_one_line_naming_the_choices(value: object, message
     assert "\n" not in str(e.value) and "image_mount" in str(e.value)
 
 
-def test_kernel_is_tried_only_for_the_trusted_repositories() -> None:
+def test_kernel_is_tried_only_for_the_trusted_repositories_of_the_sites_registry() -> None:
     cfg = config_from_mapping(
-        json.loads(
-            '{"image_mount": ["kernel", "squashfuse_ll", "squashfuse"],'
-            ' "image_mount_kernel": ["library/tf-*"]}'
+        {
+            "registry": "harbor.example",
+            "mirrors": ["mirror.example"],
+            "image_mount": ["kernel", "squashfuse_ll", "squashfuse"],
+            "image_mount_kernel": ["library/tf-*"],
+        }
+    )
+    fuse = ("squashfuse_ll", "squashfuse")
+    assert cfg.mount_drivers("harbor.example/library/tf-custom") == ("kernel", *fuse)
+    assert cfg.mount_drivers("mirror.example/library/tf-custom") == ("kernel", *fuse)
+    assert cfg.mount_drivers("harbor.example/library/tiny") == fuse
+    assert cfg.mount_drivers("harbor.example/alice/tf-custom") == fuse
+    # "*" stays within one path segment; another registry's same name is not trusted
+    assert cfg.mount_drivers("harbor.example/library/tf-x/evil") == fuse
+    assert cfg.mount_drivers("elsewhere.example/library/tf-custom") == fuse
+    assert cfg.mount_drivers(None) == fuse  # an entry from before origins were kept
+    single = config_from_mapping({"image_mount": "squashfuse"})
+    assert single.mount_drivers("harbor.example/library/tf-custom") == ("squashfuse",)
+    assert config_from_mapping({}).image_mount == fuse  # FUSE: the safe default
+
+
+def test_trust_follows_where_the_bytes_came_from_not_the_name_a_job_uses(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    # alice's image, pulled once on the node, then asked for by a trusted name and
+    # its digest: a cache hit that never asks the registry must not make it trusted.
+    digest = registry.client().push_sif("alice/evil", "1", make_sif({"m": "evil"}))
+    cfg = load_config(
+        registry.write_site(
+            tmp_path, image_mount="[kernel, squashfuse_ll]", image_mount_kernel="['library/tf-*']"
         )
     )
-    assert cfg.mount_drivers("library/tf-custom") == ("kernel", "squashfuse_ll", "squashfuse")
-    assert cfg.mount_drivers("library/tiny") == ("squashfuse_ll", "squashfuse")
-    assert cfg.mount_drivers("alice/tf-custom") == ("squashfuse_ll", "squashfuse")
-    single = config_from_mapping({"image_mount": "squashfuse"})
-    assert single.mount_drivers("library/tf-custom") == ("squashfuse",)
-    assert config_from_mapping({}).image_mount == ("squashfuse_ll", "squashfuse")  # FUSE: safe
+    cache = ImageCache(cfg)
+    cache.ensure(cfg.reference(f"alice/evil@{digest}"))
+    hit = cache.ensure(cfg.reference(f"library/tf-custom@{digest}"))
+    assert hit.hit
+    origin = cache.read_meta(digest)["origin"]
+    assert origin == f"{registry.host}/alice/evil"
+    assert cfg.mount_drivers(origin) == ("squashfuse_ll",)
+
+
+def test_a_bind_where_a_stand_in_would_go_wins_and_the_others_run(
+    root_with_fuse: None, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    sif = make_sif({"usr/local/bin/.keep": "", "bin/.keep": ""})
+    state = tmp_path / "state"
+    img = imagemount.mount_image(str(state), "64", sif, "sha256:" + "d" * 64, ("squashfuse_ll",))
+    try:
+        scripts = slurmstubs.stubs(img)
+        root = imagemount.step_root(
+            str(state), "64", "4294967294", img, ["/usr/local/bin/srun"], [], scripts
+        )
+        assert (root / "usr/local/bin/srun").is_dir()  # the bind's mount point
+        sbatch = root / "usr/local/bin/sbatch"
+        assert sbatch.stat().st_mode & 0o777 == 0o755
+        assert sbatch.read_text() == slurmstubs.script("sbatch")
+    finally:
+        assert imagemount.release_job(str(state), "64") == []
