@@ -9,10 +9,11 @@ happened and what to do, and exits 127 as the shell does for a missing command::
     tfimage: srun: this batch script runs inside the image (...); submit with
     --tf-batch=host to run it on the host, where each srun step runs in the image
 
-They go to ``/usr/local/bin``, on every image's PATH, unless the image has its own
-command of that name there, or its ``/usr/local/bin`` is not a plain directory (a
-link: the skeleton's directory would hide where it leads).  The image's tree is
-walked with ``O_NOFOLLOW``: root never follows an image's link.
+They go to ``/usr/local/bin``, on every image's PATH, unless the image has a command
+of that name in any of the usual PATH directories, or its ``/usr/local/bin`` is not a
+plain directory (a link: the skeleton's directory would hide where it leads).  The
+image's tree is walked with ``O_NOFOLLOW``: root never follows an image's link; an
+image that cannot be read gets none.
 """
 
 from __future__ import annotations
@@ -35,28 +36,64 @@ def script(name: str) -> str:
     )
 
 
-def stubs(image_root: Path) -> dict[str, str]:
-    """{path in the container: content} for the commands the image lacks."""
-    fd = os.open(image_root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+# Where a shell looks for a command in practically every image.
+PATH = ("usr/local/sbin", "usr/local/bin", "usr/sbin", "usr/bin", "sbin", "bin")
+
+
+def _open_dir(root_fd: int, rel: str) -> int | None:
+    """``rel`` under ``root_fd`` as a directory, never through a link; None if absent."""
+    fd = os.dup(root_fd)
     try:
-        for part in DIR:
-            try:
-                nfd = os.open(
-                    part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
-                )
-            except FileNotFoundError:
-                break  # the skeleton makes the rest; nothing of the image is hidden
-            except OSError:
-                return {}  # a link or a file where a directory should be
+        for part in rel.split("/"):
+            nfd = os.open(
+                part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+            )
             os.close(fd)
             fd = nfd
-        else:
-            present = set()
-            for name in COMMANDS:
-                with contextlib.suppress(FileNotFoundError):
-                    os.stat(name, dir_fd=fd, follow_symlinks=False)
-                    present.add(name)
-            return {f"/{'/'.join(DIR)}/{n}": script(n) for n in COMMANDS if n not in present}
-    finally:
+    except OSError:
         os.close(fd)
-    return {f"/{'/'.join(DIR)}/{n}": script(n) for n in COMMANDS}
+        return None
+    return fd
+
+
+def stubs(image_root: Path) -> dict[str, str]:
+    """{path in the container: content} for the commands the image lacks."""
+    try:
+        return _stubs(image_root)
+    except OSError:  # an image that cannot be read (EIO, a dead FUSE mount): none
+        return {}
+
+
+def _stubs(image_root: Path) -> dict[str, str]:
+    root = os.open(image_root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        # usr/local/bin must be a real directory, or absent (the skeleton makes it)
+        fd = root
+        for part in DIR:
+            try:
+                os.stat(part, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                break
+            nfd = _open_dir(fd, part)
+            if fd != root:
+                os.close(fd)
+            if nfd is None:
+                return {}  # a link or a file where a directory should be
+            fd = nfd
+        if fd != root:
+            os.close(fd)
+        present = set()
+        for rel in PATH:
+            d = _open_dir(root, rel)
+            if d is None:
+                continue
+            try:
+                for name in COMMANDS:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.stat(name, dir_fd=d, follow_symlinks=False)
+                        present.add(name)
+            finally:
+                os.close(d)
+    finally:
+        os.close(root)
+    return {f"/{'/'.join(DIR)}/{n}": script(n) for n in COMMANDS if n not in present}

@@ -61,7 +61,7 @@ def test_srun_in_a_one_task_script_in_the_image_says_what_to_do(
         "job.sh",
         (
             "#!/bin/sh\n#SBATCH --tf-image=tiny:1.0\n#SBATCH -o out.txt\n"
-            "srun hostname\necho \"srun=$?\"\nscontrol show job\necho \"scontrol=$?\"\n"
+            'srun hostname\necho "srun=$?"\nscontrol show job\necho "scontrol=$?"\n'
         ),
         "out.txt",
         timeout=180,

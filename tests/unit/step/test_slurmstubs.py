@@ -3,7 +3,6 @@ what an image's own tree (walked as root, never through its links) keeps it from
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -41,7 +40,14 @@ def test_a_linked_usr_local_gets_none_and_is_never_followed(tmp_path: Path) -> N
     (image / "usr").mkdir(parents=True)
     (image / "usr/local").symlink_to(outside)
     assert slurmstubs.stubs(image) == {}
-    assert os.listdir(outside / "bin") == []
+
+
+def test_a_command_anywhere_on_the_images_path_is_kept(tmp_path: Path) -> None:
+    (tmp_path / "usr/bin").mkdir(parents=True)
+    (tmp_path / "usr/bin/srun").write_text("#!/bin/sh\n")  # an image with Slurm's client
+    (tmp_path / "bin").symlink_to("usr/bin")  # merged /usr: a link, not followed
+    got = slurmstubs.stubs(tmp_path)
+    assert "/usr/local/bin/srun" not in got and "/usr/local/bin/sbatch" in got
 
 
 def test_an_image_without_usr_local_gets_them_all(tmp_path: Path) -> None:
