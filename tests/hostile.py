@@ -30,6 +30,7 @@ class Behaviour:
     cut_after: int | None = None  # close the connection at this byte of the blob...
     cuts: int = 1  # ... this many times
     delay: float = 0.0  # seconds between 64 KiB pieces
+    stall_after: int | None = None  # send this many bytes of the blob, then nothing
     ranges: list[str] = field(default_factory=list)
     ignore_range: bool = False  # answer 200 with the whole blob, as some servers do
     busy: int = 0  # answer 429 to this many manifest requests first
@@ -142,6 +143,10 @@ class Server:
                     sent += len(piece)
                     if b.delay:
                         time.sleep(b.delay)
+                    if b.stall_after is not None and sent >= b.stall_after:
+                        self.wfile.flush()
+                        time.sleep(30)  # stopped, as a SIGSTOPped registry is
+                        return
 
         self.httpd = ThreadingHTTPServer((address, 0), Handler)
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

@@ -218,11 +218,13 @@ class StdlibTransport:
             parts = urllib.parse.urlsplit(url)
             path = parts.path + (f"?{parts.query}" if parts.query else "")
             conn = self._conn(parts.scheme, parts.netloc, timeout, verify)
+            connected = False
             try:
                 if conn.sock is None:
                     conn.connect()
                     sock: Any = conn.sock  # connect() timed out at timeout[0]; reads get theirs
                     sock.settimeout(timeout[1])
+                connected = True
                 conn.request(method, path or "/", body=data, headers=hdrs)
                 resp = conn.getresponse()
             except ssl.SSLCertVerificationError as e:
@@ -233,8 +235,12 @@ class StdlibTransport:
                 raise TLSError(str(e)) from None
             except (OSError, http.client.HTTPException, ValueError) as e:
                 # ValueError: http.client refusing what an answer led to (a URL or a
-                # header it will not send): the registry's fault, not ours.
+                # header it will not send): the registry's fault, not ours.  Only a
+                # timeout once connected is a stall: connecting (TCP, TLS handshake)
+                # is asked again, as a registry with a full accept queue may answer.
                 conn.close()
+                if not connected:
+                    raise TransportError(str(e) or type(e).__name__) from None
                 raise _failed(e) from None
             if resp.status in _REDIRECTS and method in ("GET", "HEAD"):
                 location = resp.getheader("Location", "")
@@ -262,6 +268,7 @@ class _RequestsResponse(_Closing):
     def __init__(self, resp: Any) -> None:
         self._resp = resp
         self.status_code: int = resp.status_code
+        self._stalled: TransportTimeout | None = None
 
     @property
     def headers(self) -> Headers:
@@ -281,12 +288,18 @@ class _RequestsResponse(_Closing):
     def readinto(self, buf: memoryview) -> int:
         got = 0
         # 1 MiB at a time: urllib3 drops what a read had when the connection breaks.
+        if self._stalled is not None:  # the last call's, kept for this one
+            raise self._stalled
         while got < len(buf):
             try:
                 data = self.read(min(len(buf) - got, 1 << 20))
-            except TransportError:
+            except TransportError as e:
                 if got:
-                    return got  # what came before the break; the next call raises
+                    # What came before the break; the next call raises, a stall as a
+                    # stall (urllib3's own next error would say "incomplete read").
+                    if isinstance(e, TransportTimeout):
+                        self._stalled = e
+                    return got
                 raise
             if not data:
                 break
@@ -336,6 +349,8 @@ class RequestsTransport:
                 )
             except requests.exceptions.SSLError as e:
                 raise TLSError(_first_line(e)) from None
+            except requests.ConnectTimeout as e:  # connecting is asked again
+                raise TransportError(_first_line(e)) from None
             except requests.Timeout as e:
                 raise TransportTimeout(_first_line(e)) from None
             except requests.RequestException as e:  # connection and the rest

@@ -191,7 +191,9 @@ def test_a_registry_that_stalls_mid_download_fails_the_pull_within_one_read_time
     # A broken connection is asked again (above); a stalled one is not: it would cost
     # another whole read timeout (and the prolog's retries, the user's wait) for nothing.
     blob = a_sif(make_sif, size=3_000_000)
-    server.serve(blob, delay=30.0)  # the first 64 KiB, then silence
+    # 2 MB, then silence: past requests' 1 MiB reads, whose transport keeps the stall
+    # for its next call rather than letting urllib3 call it an incomplete read
+    server.serve(blob, stall_after=2_000_000)
     cache = cache_for(server, read_timeout=1)
     started = time.monotonic()
     with pytest.raises(RegistryStalled, match=r"stalled|timed out"):
