@@ -34,7 +34,7 @@ from tfimage.agent.gpu import drain as slurm
 from tfimage.agent.gpu import xid
 from tfimage.agent.gpu.child import probe_bounded
 from tfimage.agent.gpu.probe import NodeReading, Reading, Selection
-from tfimage.agent.gpu.verdict import Verdict, judge
+from tfimage.agent.gpu.verdict import Finding, Verdict, judge
 from tfimage.agent.ids import valid_job_id
 from tfimage.agent.usage import metrics
 
@@ -141,16 +141,9 @@ def prolog_gate(
             len(skipped),
             ", ".join(sorted({f.check for f in skipped})),
         )
-    drains = got.verdict.drains
     count(cfg, got)
-    if drains:
-        first = drains[0]
-        more = f" (and {len(drains) - 1} more)" if len(drains) > 1 else ""
-        try:
-            slurm.drain(node_name, first.reason(), cfg.gpu.slurm_bin)
-        except TfimageError as e:  # the non-zero exit still makes Slurm drain it
-            raise NodeFault(f"job {job_id}: {first.reason()}{more}; {e}") from None
-        raise NodeFault(f"job {job_id}: drained {node_name}: {first.reason()}{more}")
+    if got.verdict.drains:
+        raise NodeFault(f"job {job_id}: {_drain(cfg, job_id, node_name, got.verdict.drains)}")
     save_baseline(cfg.state_dir, job_id, got.allocated)
     log.info(
         "job %s: gpu: %d GPU(s) healthy in %.0f ms",
@@ -159,6 +152,18 @@ def prolog_gate(
         got.node.seconds * 1000,
     )
     return got
+
+
+def _drain(cfg: Config, job_id: str, node_name: str, drains: list[Finding]) -> str:
+    """Drain the node with the first finding as the reason; says what was done.  When
+    scontrol cannot, raises NodeFault: the hook's non-zero exit makes Slurm drain it."""
+    first = drains[0]
+    more = f" (and {len(drains) - 1} more)" if len(drains) > 1 else ""
+    try:
+        slurm.drain(node_name, first.reason(), cfg.gpu.slurm_bin)
+    except TfimageError as e:
+        raise NodeFault(f"job {job_id}: {first.reason()}{more}; {e}") from None
+    return f"drained {node_name}: {first.reason()}{more}"
 
 
 def count(cfg: Config, got: Check) -> None:
@@ -232,14 +237,7 @@ def epilog_gate(
         energy[uuid] = round((end - start) / 1000.0, 3) if ok else None  # type: ignore[operator]
     for f in got.verdict.warnings:
         log.warning("job %s: gpu after the job: %s", job_id, f.reason())
-    drains = got.verdict.drains
     count(cfg, got)
-    if drains:
-        first = drains[0]
-        more = f" (and {len(drains) - 1} more)" if len(drains) > 1 else ""
-        try:
-            slurm.drain(node_name, first.reason(), cfg.gpu.slurm_bin)
-        except TfimageError as e:  # the non-zero exit still makes Slurm drain it
-            raise NodeFault(f"job {job_id}: {first.reason()}{more}; {e}") from None
-        log.error("job %s: drained %s: %s%s", job_id, node_name, first.reason(), more)
+    if got.verdict.drains:
+        log.error("job %s: %s", job_id, _drain(cfg, job_id, node_name, got.verdict.drains))
     return AfterJob(got, energy)

@@ -30,14 +30,6 @@ def test_job_ids_are_digits(bad: str) -> None:
         imagemount.job_dir("/run/tfimage", bad)
 
 
-@pytest.fixture
-def root_with_fuse() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("mounting needs root")
-    if not Path("/dev/fuse").exists():
-        pytest.skip("no /dev/fuse on this machine")
-
-
 def test_image_and_step_root_mount_and_release(
     root_with_fuse: None, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
 ) -> None:

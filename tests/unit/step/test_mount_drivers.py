@@ -3,7 +3,6 @@ with the job; one a node lacks is skipped, saying so; ``kernel`` only where trus
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -22,14 +21,6 @@ FSTYPE = {
     "squashfuse_ll": "fuse.squashfuse_ll",
     "squashfuse": "fuse.squashfuse",
 }
-
-
-@pytest.fixture
-def root_with_fuse() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("mounting needs root")
-    if not Path("/dev/fuse").exists():
-        pytest.skip("no /dev/fuse on this machine")
 
 
 def _mount_of(target: Path) -> tuple[str, set[str]]:
