@@ -154,13 +154,21 @@ def line_of(rec: Mapping[str, Any]) -> bytes:
 def append(path: Path, rec: Mapping[str, Any]) -> None:
     """Append ``rec`` as one line: one ``write`` on a fresh ``O_APPEND`` descriptor
     (never through a link).  A short write (a full disk) raises; the report skips
-    the torn line it leaves."""
+    the torn line it leaves.  Should the file have been rotated away and deleted
+    between the open and the write (logrotate compressing it), the line is written
+    again to the new file: a record seen twice counts once in the report, a lost one
+    never comes back."""
     data = line_of(rec)
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
-    try:
-        written = os.write(fd, data)
-        if written != len(data):
-            raise OSError(28, f"{path}: short write ({written} of {len(data)} bytes)")
-    finally:
-        os.close(fd)
+    for _ in range(2):
+        fd = os.open(
+            path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640
+        )
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(28, f"{path}: short write ({written} of {len(data)} bytes)")
+            if os.fstat(fd).st_nlink:
+                return
+        finally:
+            os.close(fd)
