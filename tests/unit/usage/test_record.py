@@ -196,7 +196,11 @@ def test_copytruncate_while_epilogs_append_tears_at_most_a_copys_last_line(
     need("logrotate")
     log = tmp_path / "usage.jsonl"
     conf = f"{log} {{\n  copytruncate\n  rotate 500\n}}\n"
-    procs = [multiprocessing.Process(target=_writer, args=(str(log), w, 1000)) for w in range(4)]
+    # Writers that take a second or more, however fast the machine: rotations happen
+    # while they write (back to back here: copytruncate's window is the point).
+    procs = [
+        multiprocessing.Process(target=_writer, args=(str(log), w, 1000, 0.001)) for w in range(4)
+    ]
     for p in procs:
         p.start()
     rotations = 0
@@ -207,7 +211,7 @@ def test_copytruncate_while_epilogs_append_tears_at_most_a_copys_last_line(
     for p in procs:
         p.join(60)
     copies = sorted(tmp_path.glob("usage.jsonl.*"))
-    assert rotations >= 3 and len(copies) == rotations
+    assert rotations >= 2 and len(copies) == rotations
     ids = _check_whole(_lines(log))  # the live file: every line whole, no hole
     torn = 0
     for copy in copies:
