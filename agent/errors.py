@@ -24,7 +24,8 @@
     +-- RuntimeSetupError        mounting or preparing the runtime failed   (exit 3)
     +-- NodeFault                the node's own hardware is faulty (a GPU)  (exit 1)
 
-Anything else escaping is a bug; the CLI prints it as one line with exit 70.  The
+Anything else escaping is a bug; the CLI prints it as one line with exit 70, and
+:func:`cause` is what a hook or the daemon logs for any exception.  The
 node hooks (hooklog.guarded) exit 0 for every exception but ``NodeFault``: only a
 fault of the node may drain it.
 """
@@ -113,3 +114,8 @@ class NodeFault(TfimageError):  # noqa: N818 - it names what the node has
     drains the node and requeues the job)."""
 
     exit_code = 1
+
+
+def cause(e: BaseException) -> str:
+    """One line for a person: a TfimageError's own message, anything else's type too."""
+    return str(e) if isinstance(e, TfimageError) else f"{type(e).__name__}: {e}"

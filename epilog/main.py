@@ -24,7 +24,7 @@ from typing import Any
 
 from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.config import DEFAULT_PATH, Config, load_config
-from tfimage.agent.errors import InputError, NodeFault, TfimageError
+from tfimage.agent.errors import InputError, NodeFault, TfimageError, cause
 from tfimage.agent.gpu.alloc import parse_gpus
 from tfimage.agent.gpu.drain import check_node
 from tfimage.agent.gpu.gate import drop_baseline, epilog_gate, health, load_baseline
@@ -86,7 +86,7 @@ def _epilog(argv: Sequence[str] | None, log: logging.Logger) -> int:
     except NodeFault:
         raise
     except Exception as e:
-        log.error("job %s: cleanup: its usage facts: %s", job_id, _cause(e))
+        log.error("job %s: cleanup: its usage facts: %s", job_id, cause(e))
         fault = _cleanup(cfg, job_id, slurm, {}, log)
     if fault:
         raise fault  # the drain could not be made: Slurm drains on the exit status
@@ -120,14 +120,11 @@ def _cleanup(
         try:
             run()
         except Exception as e:
-            log.error("job %s: cleanup: %s: %s", job_id, part, _cause(e))
+            log.error("job %s: cleanup: %s: %s", job_id, part, cause(e))
     for target in stuck:
         log.error("job %s: %s was busy; detached it lazily", job_id, target)
     return fault[0] if fault else None
 
-
-def _cause(e: BaseException) -> str:
-    return str(e) if isinstance(e, TfimageError) else f"{type(e).__name__}: {e}"
 
 
 def _gpu_check(cfg: Config, job_id: str, slurm: dict[str, str]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tfimage.agent.config import DEFAULT_PATH, Config, load_config
 from tfimage.agent.deadline import deadline
-from tfimage.agent.errors import InputError, NodeFault, TfimageError
+from tfimage.agent.errors import InputError, NodeFault, TfimageError, cause
 from tfimage.agent.gpu.alloc import parse_gpus
 from tfimage.agent.gpu.drain import check_node
 from tfimage.agent.gpu.gate import health, prolog_gate
@@ -103,8 +103,8 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
             got.seconds,
         )
     except Exception as e:  # recorded for the job's steps by prepare_job
-        log.error("job %s: image %s: %s", job_id, oneline(image), _cause(e))
-        note(image_error=_cause(e), repository=_repository(cfg, image))
+        log.error("job %s: image %s: %s", job_id, oneline(image), cause(e))
+        note(image_error=cause(e), repository=_repository(cfg, image))
     return 0
 
 
@@ -122,7 +122,7 @@ class _Facts:
             jobfacts.note(self.cfg.state_dir, self.job_id, **facts)
         except Exception as e:
             self.broken = True
-            self.log.error("job %s: usage: not kept: %s", self.job_id, _cause(e))
+            self.log.error("job %s: usage: not kept: %s", self.job_id, cause(e))
 
 
 def _repository(cfg: Config, image: str) -> str | None:
@@ -151,12 +151,9 @@ def _gpu_gate(
             note(gpu_prolog="drain")
         raise
     except Exception as e:  # the gate's own trouble (a full /run): the image still comes
-        log.error("job %s: gpu: not checked: %s", job_id, _cause(e))
+        log.error("job %s: gpu: not checked: %s", job_id, cause(e))
         return None
 
-
-def _cause(e: BaseException) -> str:
-    return str(e) if isinstance(e, TfimageError) else f"{type(e).__name__}: {e}"
 
 
 if __name__ == "__main__":

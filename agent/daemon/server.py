@@ -50,7 +50,7 @@ from pathlib import Path
 
 from tfimage.agent import wire
 from tfimage.agent.config import Config, load_config
-from tfimage.agent.errors import RequestError, TfimageError
+from tfimage.agent.errors import RequestError, TfimageError, cause
 from tfimage.agent.logtext import oneline
 
 Route = Callable[[list[str]], int]
@@ -176,8 +176,7 @@ def _work(conn: socket.socket, routes: Mapping[str, Route], trace: _Trace) -> No
         route: Route = routes[argv[0]] if hook else routes[CLI]
         status, out, err = _captured(route, argv[1:] if hook else argv)
     except Exception as e:  # the daemon's own trouble: one line, never a traceback
-        cause = str(e) if isinstance(e, TfimageError) else f"{type(e).__name__}: {e}"
-        err = f"tfimage: daemon: {cause}\n".encode()
+        err = f"tfimage: daemon: {cause(e)}\n".encode()
         status = 0 if hook else 70  # a hook's outcome is never the daemon's fault
     _answer(conn, status, err, out)
     trace.write("root", argv, status, out)
