@@ -2,9 +2,9 @@
 
 - :func:`held`: a lock file (created 0600, never through a link) held with flock
   until the block ends;
-- :func:`write_json`: replace a file with JSON atomically (a temporary file in the
-  same directory, renamed over it), fsynced first when asked; a reader sees the old
-  content or the new, never a part;
+- :func:`write_atomic` (and :func:`write_json`): replace a file atomically (a
+  temporary file in the same directory, renamed over it), fsynced first when asked;
+  a reader sees the old content or the new, never a part;
 - :func:`fsync_dir`: make a rename into a directory survive a crash;
 - :func:`read_json`: a small JSON file of root's own, never through a link and never
   more than a bound.
@@ -35,13 +35,19 @@ def held(path: Path, *, blocking: bool = True) -> Iterator[int]:
 
 
 def write_json(path: Path, data: object, *, mode: int = 0o644, durable: bool = False) -> None:
-    """Replace ``path`` with ``data`` as JSON, atomically; ``durable``: fsynced (file
-    and directory) before it counts.  Raises OSError; leaves no temporary file."""
+    """Replace ``path`` with ``data`` as JSON, atomically (see :func:`write_atomic`)."""
+    write_atomic(path, json.dumps(data, sort_keys=True).encode(), mode=mode, durable=durable)
+
+
+def write_atomic(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = False) -> None:
+    """Replace ``path`` with ``data`` atomically (a temporary file in the same
+    directory, renamed over it); ``durable``: fsynced (file and directory) before it
+    counts.  Raises OSError; leaves no temporary file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         try:
             os.fchmod(fd, mode)
-            rest = memoryview(json.dumps(data, sort_keys=True).encode())
+            rest = memoryview(data)
             while rest:  # a short write (a full disk) is finished or raises
                 rest = rest[os.write(fd, rest) :]
             if durable:

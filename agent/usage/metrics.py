@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.fsutil import held, read_json, write_json
+from tfimage.agent.fsutil import held, read_json, write_atomic, write_json
 
 FILE_NAME = "tfimage.prom"
 MAX_REPOSITORIES = 100
@@ -130,18 +129,9 @@ def _cache_size(cache_dir: str) -> tuple[int, int]:
 
 def write_text(metrics_dir: str, text: str) -> Path:
     """Replace ``metrics_dir/tfimage.prom`` atomically: node_exporter never reads half."""
-    d = Path(metrics_dir)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{FILE_NAME}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, d / FILE_NAME)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return d / FILE_NAME
+    path = Path(metrics_dir) / FILE_NAME
+    write_atomic(path, text.encode(), mode=0o644)
+    return path
 
 
 def update(
