@@ -15,7 +15,7 @@ removes both.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,8 @@ from tfimage.agent.ids import valid_job_id
 MAX_BYTES = 64 << 10
 
 
-def _dir(state_dir: str) -> Path:
+def usage_dir(state_dir: str) -> Path:
+    """``state_dir/usage``, root's alone (the job facts' and the node counters')."""
     d = Path(state_dir) / "usage"
     Path(state_dir).mkdir(mode=0o755, parents=True, exist_ok=True)
     d.mkdir(mode=0o700, exist_ok=True)
@@ -44,32 +45,37 @@ def _read(path: Path) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
-def load(state_dir: str, job_id: str) -> dict[str, Any]:
-    """The job's facts; empty when none were kept (no prolog ran, or it was removed)."""
-    return _read(_path(state_dir, job_id))
+def _change(state_dir: str, job_id: str, change: Callable[[dict[str, Any]], bool]) -> None:
+    """Apply ``change`` to the job's facts under their lock; written when it says so."""
+    path = _path(state_dir, job_id)
+    usage_dir(state_dir)
+    with held(path.with_suffix(".lock")):
+        doc = _read(path)
+        if change(doc):
+            write_json(path, doc, mode=0o600)
 
 
 def note(state_dir: str, job_id: str, **facts: Any) -> None:
     """Merge ``facts`` into the job's file (a later value wins)."""
-    path = _path(state_dir, job_id)
-    _dir(state_dir)
-    with held(path.with_suffix(".lock")):
-        doc = _read(path)
+
+    def change(doc: dict[str, Any]) -> bool:
         doc.update(facts)
-        write_json(path, doc, mode=0o600)
+        return True
+
+    _change(state_dir, job_id, change)
 
 
 def note_max(state_dir: str, job_id: str, key: str, value: int) -> None:
     """Keep the largest ``value`` seen for ``key`` (a job's steps may differ in size)."""
-    path = _path(state_dir, job_id)
-    _dir(state_dir)
-    with held(path.with_suffix(".lock")):
-        doc = _read(path)
+
+    def change(doc: dict[str, Any]) -> bool:
         old = doc.get(key)
         if isinstance(old, int) and old >= value:
-            return
+            return False
         doc[key] = value
-        write_json(path, doc, mode=0o600)
+        return True
+
+    _change(state_dir, job_id, change)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tfimage.agent.fsutil import held, read_json, write_atomic, write_json
+from tfimage.agent.usage.jobfacts import usage_dir
 
 FILE_NAME = "tfimage.prom"
 MAX_REPOSITORIES = 100
@@ -61,9 +62,7 @@ EXPORTED = (
 
 
 def _paths(state_dir: str) -> tuple[Path, Path]:
-    d = Path(state_dir) / "usage"
-    Path(state_dir).mkdir(mode=0o755, parents=True, exist_ok=True)
-    d.mkdir(mode=0o700, exist_ok=True)
+    d = usage_dir(state_dir)
     return d / "counters.json", d / "counters.lock"
 
 
