@@ -68,20 +68,17 @@ def _stubs(image_root: Path) -> dict[str, str]:
     root = os.open(image_root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         # usr/local/bin must be a real directory, or absent (the skeleton makes it)
-        fd = root
-        for part in DIR:
-            try:
-                os.stat(part, dir_fd=fd, follow_symlinks=False)
+        for depth in range(1, len(DIR) + 1):
+            rel = "/".join(DIR[:depth])
+            fd = _open_dir(root, rel)
+            if fd is not None:
+                os.close(fd)
+                continue
+            try:  # what is above it was just opened as real directories
+                os.stat(rel, dir_fd=root, follow_symlinks=False)
             except FileNotFoundError:
                 break
-            nfd = _open_dir(fd, part)
-            if fd != root:
-                os.close(fd)
-            if nfd is None:
-                return {}  # a link or a file where a directory should be
-            fd = nfd
-        if fd != root:
-            os.close(fd)
+            return {}  # a link or a file where a directory should be
         present = set()
         for rel in PATH:
             d = _open_dir(root, rel)
