@@ -84,6 +84,29 @@ class Registry:
         return cfg
 
 
+def hook_site(tmp_path: Path, **extra: object) -> Path:
+    """A node's config for the hooks' tests, everything under ``tmp_path`` (never the
+    host's own log or metrics): an unreachable registry unless ``extra`` says
+    otherwise."""
+    settings: dict[str, object] = {
+        "registry": "r.invalid",
+        "cache_dir": tmp_path / "cache",
+        "state_dir": tmp_path / "state",
+        "hook_log": tmp_path / "hooks.log",
+        "usage_log": tmp_path / "usage.jsonl",
+        "metrics_dir": tmp_path / "metrics",
+        "connect_timeout": 2,
+        "read_timeout": 5,
+        **extra,
+    }
+    cfg = tmp_path / "config.yaml"
+    # JSON is YAML too; paths as strings.
+    cfg.write_text(
+        json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()})
+    )
+    return cfg
+
+
 def need(*tools: str) -> None:
     """Skip, saying why, where ``tools`` are missing; under ``CI=true`` fail instead:
     a CI machine installs everything (.ci/run), so a missing tool is a broken step."""

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from hostile import Server
 
-from support import Registry
+from support import Registry, hook_site
 from tfimage.epilog.main import main as epilog
 from tfimage.prolog.main import main as prolog
 
@@ -28,32 +28,6 @@ VENV_BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root: run as root")
 
 SLURM = ["--node=n1", "--user=alice", "--uid=1001", "--partition=gpu", "--account=proj"]
-
-
-def _site(tmp_path: Path, registry: Registry | None = None, **extra: object) -> Path:
-    settings: dict[str, object] = {
-        "registry": "r.invalid",
-        "cache_dir": tmp_path / "cache",
-        "state_dir": tmp_path / "state",
-        "hook_log": tmp_path / "hooks.log",
-        "usage_log": tmp_path / "usage.jsonl",
-        "metrics_dir": tmp_path / "metrics",
-        "connect_timeout": 2,
-        "read_timeout": 5,
-        **extra,
-    }
-    if registry is not None:
-        cfg = registry.write_site(tmp_path)
-        text = cfg.read_text()
-        for k in ("hook_log", "usage_log", "metrics_dir"):
-            text += f"{k}: {settings[k]}\n"
-        cfg.write_text(text)
-        return cfg
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(
-        json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()})
-    )
-    return cfg
 
 
 def _log(tmp_path: Path) -> list[str]:
@@ -92,7 +66,7 @@ def cached_image(registry: Registry, make_sif: Callable[[dict[str, str]], Path])
 def test_the_epilog_twice_after_a_whole_job_leaves_nothing_and_records_it_once(
     registry: Registry, cached_image: str, tmp_path: Path
 ) -> None:
-    cfg = _site(tmp_path, registry)
+    cfg = registry.write_site(tmp_path, hook_log=str(tmp_path / "hooks.log"))
     (tmp_path / "metrics").mkdir()  # node_exporter's textfile directory
     job = ["--job=31", f"--image={cached_image}"]
     assert prolog([f"--config={cfg}", *job]) == 0
@@ -126,8 +100,7 @@ def test_after_a_prolog_killed_halfway_the_epilog_leaves_nothing_and_says_why(
     s = Server(tls)
     try:
         s.serve(os.urandom(4 << 20), delay=0.5)  # a trickle: the prolog is mid-download
-        cfg = _site(tmp_path, registry=None, ca_bundle=tls / "ca.crt")
-        cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "registry": s.host}))
+        cfg = hook_site(tmp_path, registry=s.host, ca_bundle=tls / "ca.crt")
         p = subprocess.Popen(
             [str(VENV_BIN / "tfimage-prolog"), f"--config={cfg}", "--job=32", "--image=x:1"],
         )
@@ -151,7 +124,7 @@ def test_after_a_prolog_killed_halfway_the_epilog_leaves_nothing_and_says_why(
 
 
 def test_a_job_without_tf_image_gets_no_record_and_leaves_no_trace(tmp_path: Path) -> None:
-    cfg = _site(tmp_path)
+    cfg = hook_site(tmp_path)
     assert prolog([f"--config={cfg}", "--job=33"]) == 0
     assert epilog([f"--config={cfg}", "--job=33", "--exit=0:0", *SLURM]) == 0
     assert epilog([f"--config={cfg}", "--job=33", "--exit=0:0", *SLURM]) == 0
@@ -160,7 +133,7 @@ def test_a_job_without_tf_image_gets_no_record_and_leaves_no_trace(tmp_path: Pat
 
 
 def test_an_image_that_could_not_be_pulled_is_recorded_with_the_reason(tmp_path: Path) -> None:
-    cfg = _site(tmp_path)  # r.invalid: no such registry
+    cfg = hook_site(tmp_path)  # r.invalid: no such registry
     assert prolog([f"--config={cfg}", "--job=34", "--image=tf-custom:2.1"]) == 0
     assert epilog([f"--config={cfg}", "--job=34", "--image=tf-custom:2.1",
                    "--asked=tf-custom:2.1", "--exit=3:0", *SLURM]) == 0  # fmt: skip
@@ -170,7 +143,7 @@ def test_an_image_that_could_not_be_pulled_is_recorded_with_the_reason(tmp_path:
 
 
 def test_two_epilogs_at_once_record_the_job_once(tmp_path: Path) -> None:
-    cfg = _site(tmp_path)
+    cfg = hook_site(tmp_path)
     assert prolog([f"--config={cfg}", "--job=35", "--image=x:1"]) == 0  # r.invalid: fails
     argv = [str(VENV_BIN / "tfimage-epilog"), f"--config={cfg}", "--job=35", "--image=x:1",
             "--exit=0:0", *SLURM]  # fmt: skip

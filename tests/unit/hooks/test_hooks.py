@@ -30,7 +30,7 @@ from gpus import FakeNvml, build_fake_nvml
 from gpus import node as gpus_node
 from hostile import Server
 
-from support import Registry, ask_daemon, started_daemon
+from support import Registry, ask_daemon, hook_site, started_daemon
 from tfimage.agent import wire
 from tfimage.agent.config import load_config
 from tfimage.agent.errors import ImageError, NodeFault
@@ -48,27 +48,6 @@ VENV_BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root: run as root")
 
 
-def _site(tmp_path: Path, **extra: object) -> Path:
-    """A node's config: an unreachable registry unless ``extra`` says otherwise."""
-    settings: dict[str, object] = {
-        "registry": "r.invalid",
-        "cache_dir": tmp_path / "cache",
-        "state_dir": tmp_path / "state",
-        "hook_log": tmp_path / "hooks.log",
-        "usage_log": tmp_path / "usage.jsonl",
-        "metrics_dir": tmp_path / "metrics",
-        "connect_timeout": 2,
-        "read_timeout": 5,
-        **extra,
-    }
-    cfg = tmp_path / "config.yaml"
-    # JSON is YAML too; paths as strings.
-    cfg.write_text(
-        json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()})
-    )
-    return cfg
-
-
 def _log(tmp_path: Path) -> list[str]:
     path = tmp_path / "hooks.log"
     return path.read_text().splitlines() if path.exists() else []
@@ -79,7 +58,7 @@ def _log(tmp_path: Path) -> list[str]:
 
 @pytest.mark.parametrize("image", ["-x", "--help", "-h", "--job=1"])
 def test_an_image_value_starting_with_a_dash_stays_a_value(tmp_path: Path, image: str) -> None:
-    cfg = _site(tmp_path)
+    cfg = hook_site(tmp_path)
     assert prolog([f"--config={cfg}", "--job=7", f"--image={image}"]) == 0
     lines = _log(tmp_path)
     assert len(lines) == 1 and "job 7: image " in lines[0] and "invalid image reference" in lines[0]
@@ -116,7 +95,7 @@ def test_the_roles_prolog_never_fails_for_a_hostile_image_value(
 ) -> None:
     daemon = through != "the program"
     (tmp_path / "node").mkdir()
-    cfg = _site(tmp_path)
+    cfg = hook_site(tmp_path)
     script = _render("prolog.j2", tmp_path, hook_binary, daemon)
     env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "9", "SPANK_TFIMAGE_IMAGE": "-x"}
 
@@ -144,7 +123,7 @@ def test_the_roles_prolog_exits_non_zero_for_a_gpu_fault_and_only_for_that(
     daemon = through != "the program"
     (tmp_path / "node").mkdir()
     (tmp_path / "kmsg").touch()
-    cfg = _site(tmp_path, gpu={"kmsg": str(tmp_path / "kmsg")})
+    cfg = hook_site(tmp_path, gpu={"kmsg": str(tmp_path / "kmsg")})
     script = _render("prolog.j2", tmp_path, hook_binary, daemon)
     lib = build_fake_nvml(tmp_path_factory.mktemp("nvml"))
     nvml = FakeNvml(lib, lib / "state.json")  # the daemon clears FAKE_NVML_STATE
@@ -243,7 +222,7 @@ def test_a_node_side_failure_is_one_line_and_exit_0(
 
 
 def test_each_part_of_the_epilog_fails_alone_with_one_line_and_exit_0(tmp_path: Path) -> None:
-    cfg = _site(tmp_path)
+    cfg = hook_site(tmp_path)
     (tmp_path / "state").write_text("a file where a directory is expected")
     # An entry job 7 holds, whose lock cannot be taken (locks/ is a file).
     images = tmp_path / "cache" / "images"
@@ -269,7 +248,7 @@ def test_a_hostile_token_with_a_line_break_is_one_line_and_exit_0(
         creds = tmp_path / "creds.json"
         creds.write_text(f'{{"registries": {{"{s.host}": {{"username": "u", "password": "p"}}}}}}')
         creds.chmod(0o600)
-        cfg = _site(tmp_path, registry=s.host, ca_bundle=tls / "ca.crt", credentials=creds)
+        cfg = hook_site(tmp_path, registry=s.host, ca_bundle=tls / "ca.crt", credentials=creds)
         assert prolog([f"--config={cfg}", "--job=7", "--image=x:1"]) == 0
     finally:
         s.httpd.shutdown()
@@ -315,7 +294,7 @@ def test_sigterm_ends_a_prolog_with_one_line_and_exit_0(tls: Path, tmp_path: Pat
     try:
         blob = os.urandom(4 << 20)
         s.serve(blob, delay=0.5)  # a trickle: the prolog is busy downloading
-        cfg = _site(tmp_path, registry=s.host, ca_bundle=tls / "ca.crt")
+        cfg = hook_site(tmp_path, registry=s.host, ca_bundle=tls / "ca.crt")
         p = subprocess.Popen(
             [str(VENV_BIN / "tfimage-prolog"), f"--config={cfg}", "--job=7", "--image=x:1"],
             stderr=subprocess.PIPE,
@@ -335,7 +314,7 @@ def test_sigterm_ends_a_prolog_with_one_line_and_exit_0(tls: Path, tmp_path: Pat
 
 
 def test_a_hostile_image_text_is_logged_on_one_line(tmp_path: Path) -> None:
-    cfg = _site(tmp_path)
+    cfg = hook_site(tmp_path)
     assert prolog([f"--config={cfg}", "--job=7", "--image=x:1\nFAKE tfimage-prolog: ok"]) == 0
     lines = _log(tmp_path)
     assert len(lines) == 1 and "\\nFAKE" in lines[0], lines
@@ -531,7 +510,7 @@ serve(Path(sys.argv[1]), load_config(sys.argv[2]),
 
 
 def test_the_daemon_ends_a_worker_past_its_time_and_never_fails_a_hook(tmp_path: Path) -> None:
-    cfg = _site(tmp_path, hook_deadline=1)
+    cfg = hook_site(tmp_path, hook_deadline=1)
     run = Path(f"/run/tfimage-test-routes-{os.getpid()}")
     run.mkdir(mode=0o755)
     sleep_for = str(3000 + os.getpid() % 1000)  # a sleep only this test starts
