@@ -146,6 +146,26 @@ def _logrotate(tmp_path: Path, conf_text: str) -> None:
     assert r.returncode == 0, r.stderr
 
 
+def _rotating(tmp_path: Path, log: Path, conf: str, lines: int, every: float) -> int:
+    """Four writers append ``lines`` lines each, 1 ms apart (a second or more on any
+    machine), while logrotate runs every ``every`` s on the non-empty log; how many
+    times it ran."""
+    writers = [
+        multiprocessing.Process(target=_writer, args=(str(log), w, lines, 0.001)) for w in range(4)
+    ]
+    for p in writers:
+        p.start()
+    rotations = 0
+    while any(p.is_alive() for p in writers):
+        if log.exists() and log.stat().st_size:
+            _logrotate(tmp_path, conf)
+            rotations += 1
+        time.sleep(every)
+    for p in writers:
+        p.join(60)
+    return rotations
+
+
 def test_the_roles_logrotate_renames_while_epilogs_append_and_no_line_is_lost(
     tmp_path: Path,
 ) -> None:
@@ -155,21 +175,9 @@ def test_the_roles_logrotate_renames_while_epilogs_append_and_no_line_is_lost(
     conf = conf.replace("{{ tfimage_usage_log }}", str(log))
     conf = conf.replace("{{ tfimage_usage_logrotate_keep }}", "50")
     assert "{{" not in conf
-    writers = [
-        multiprocessing.Process(target=_writer, args=(str(log), w, 1500, 0.001)) for w in range(4)
-    ]
-    for p in writers:
-        p.start()
-    rotations = 0
-    while any(p.is_alive() for p in writers):
-        if log.exists():
-            _logrotate(tmp_path, conf)
-            rotations += 1
-        # A rotation period, however short, between the rename and the compression
-        # (delaycompress: the next rotation): the role's is a week.
-        time.sleep(0.2)
-    for p in writers:
-        p.join(60)
+    # A rotation period, however short, between the rename and the compression
+    # (delaycompress: the next rotation): the role's is a week.
+    rotations = _rotating(tmp_path, log, conf, 1500, every=0.2)
     files = sorted(tmp_path.glob("usage.jsonl*"))
     assert rotations >= 2 and len(files) >= 3, (rotations, files)
     assert any(f.suffix == ".gz" for f in files)  # compress, delaycompress as the role says
@@ -196,21 +204,8 @@ def test_copytruncate_while_epilogs_append_tears_at_most_a_copys_last_line(
     need("logrotate")
     log = tmp_path / "usage.jsonl"
     conf = f"{log} {{\n  copytruncate\n  rotate 100000\n}}\n"  # every copy kept
-    # Writers that take a second or more, however fast the machine: rotations happen
-    # while they write (back to back here: copytruncate's window is the point).
-    procs = [
-        multiprocessing.Process(target=_writer, args=(str(log), w, 1000, 0.001)) for w in range(4)
-    ]
-    for p in procs:
-        p.start()
-    rotations = 0
-    while any(p.is_alive() for p in procs):
-        if log.exists() and log.stat().st_size:
-            _logrotate(tmp_path, conf)
-            rotations += 1
-        time.sleep(0.02)  # tens of rotations, not hundreds, on a fast machine
-    for p in procs:
-        p.join(60)
+    # Back to back, tens of times, not hundreds: copytruncate's window is the point.
+    rotations = _rotating(tmp_path, log, conf, 1000, every=0.02)
     copies = sorted(tmp_path.glob("usage.jsonl.*"))
     assert rotations >= 2 and len(copies) == rotations
     ids = _check_whole(_lines(log))  # the live file: every line whole, no hole
