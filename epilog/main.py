@@ -79,15 +79,17 @@ def _epilog(argv: Sequence[str] | None, log: logging.Logger) -> int:
         raise
     log_to(Path(cfg.hook_log), "epilog")
     slurm = {dest: getattr(args, dest) for _, _, dest in SLURM_ARGS}
+    fault: NodeFault | None = None
+    cleaned = False
     try:
         # Held to the end: of two epilogs at once, one records the job.
         with jobfacts.claimed(cfg.state_dir, job_id) as facts:
             fault = _cleanup(cfg, job_id, slurm, facts, log)
-    except NodeFault:
-        raise
-    except Exception as e:
+            cleaned = True
+    except Exception as e:  # the facts' own trouble, before or after the cleanup
         log.error("job %s: cleanup: its usage facts: %s", job_id, cause(e))
-        fault = _cleanup(cfg, job_id, slurm, {}, log)
+        if not cleaned:
+            fault = _cleanup(cfg, job_id, slurm, {}, log)
     if fault:
         raise fault  # the drain could not be made: Slurm drains on the exit status
     return 0
@@ -114,7 +116,7 @@ def _cleanup(
         ("unmounting", lambda: stuck.extend(release_job(cfg.state_dir, job_id))),
         ("releasing its images", lambda: ImageCache(cfg).release(job_id)),
         ("dropping its GPU baseline", lambda: drop_baseline(cfg.state_dir, job_id)),
-        ("recording its usage", lambda: _record(cfg, slurm, facts, after, log)),
+        ("recording its usage", lambda: _record(cfg, slurm, facts, after)),
     )
     for part, run in parts:
         try:
@@ -124,7 +126,6 @@ def _cleanup(
     for target in stuck:
         log.error("job %s: %s was busy; detached it lazily", job_id, target)
     return fault[0] if fault else None
-
 
 
 def _gpu_check(cfg: Config, job_id: str, slurm: dict[str, str]) -> dict[str, Any]:
@@ -150,11 +151,7 @@ def _gpu_check(cfg: Config, job_id: str, slurm: dict[str, str]) -> dict[str, Any
 
 
 def _record(
-    cfg: Config,
-    slurm: dict[str, str],
-    facts: dict[str, Any],
-    after: dict[str, Any],
-    log: logging.Logger,
+    cfg: Config, slurm: dict[str, str], facts: dict[str, Any], after: dict[str, Any]
 ) -> None:
     """The job's usage line and the node's counters: for a ``--tf-image`` job whose
     prolog ran here (a second epilog finds its facts gone and records nothing).  The
