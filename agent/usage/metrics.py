@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tfimage.agent.fsutil import held, read_json, write_atomic, write_json
+from tfimage.agent.usage import record
 from tfimage.agent.usage.jobfacts import usage_dir
 
 FILE_NAME = "tfimage.prom"
@@ -177,8 +178,7 @@ def count_job(rec: Mapping[str, Any]) -> Callable[[dict[str, Any]], None]:
             row[key] = row.get(key, 0) + n
 
         add("jobs", 1)
-        failed = rec.get("state") in ("FAILED", "SIGNALED") or bool(rec.get("image_error"))
-        add("job_failures", 1 if failed else 0)
+        add("job_failures", 1 if record.failed(rec) else 0)
         add("image_failures", 1 if rec.get("image_error") else 0)
         add("job_duration_seconds", float(rec.get("wall_seconds") or 0.0))
         add("pull_bytes", int(rec.get("pull_bytes") or 0))

@@ -79,6 +79,12 @@ def state_of(status: tuple[int, int] | None) -> str:
     return "FAILED" if status[0] else "COMPLETED"
 
 
+def failed(rec: Mapping[str, Any]) -> bool:
+    """A record of a failed job: a non-zero exit, a signal, or no image.  A job whose
+    end Slurm did not report (UNKNOWN) is not counted as failed."""
+    return rec.get("state") in ("FAILED", "SIGNALED") or bool(rec.get("image_error"))
+
+
 def _text(v: object, limit: int = 256) -> str | None:
     """One line of at most ``limit`` ASCII characters (others escaped first), so that
     no field, whatever a job puts in it, grows past its share of MAX_LINE."""

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tfimage.agent.errors import InputError
+from tfimage.agent.usage import record
 
 BY = ("image", "user", "partition", "node")
 TREND = ("day", "week")
@@ -96,12 +97,6 @@ class Loaded:
 def image_of(rec: dict[str, Any]) -> str:
     image = rec.get("image") or rec.get("image_asked") or "-"
     return str(image).split("@", 1)[0]
-
-
-def failed(rec: dict[str, Any]) -> bool:
-    """A non-zero exit, a signal, or no image; a job whose end Slurm did not report
-    (UNKNOWN) is not counted as failed."""
-    return rec.get("state") in ("FAILED", "SIGNALED") or bool(rec.get("image_error"))
 
 
 def _lines(path: Path, damaged: list[str]) -> Iterator[bytes]:
@@ -179,7 +174,7 @@ def _load(
             image = image_of(rec)
             key = image if by == "image" else str(rec.get(by) or "-")
             out.jobs.append(
-                Job(key, str(rec.get("job_id")), end, wall, failed(rec), len(gpus),
+                Job(key, str(rec.get("job_id")), end, wall, record.failed(rec), len(gpus),
                     sum(known) if known else None,
                     image)
             )  # fmt: skip
