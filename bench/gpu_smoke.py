@@ -193,6 +193,7 @@ def container(
             raise RuntimeError(f"expected the host's {len(uuids)} GPU(s): {r.stdout}{r.stderr}")
     finally:
         imagemount.release_job(str(state), JOB)
+        imagemount.release_images(str(state), lambda digest: False)
 
 
 @contextlib.contextmanager

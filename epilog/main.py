@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tfimage.agent.cache.evict import in_use
 from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.config import DEFAULT_PATH, Config, load_config
 from tfimage.agent.errors import InputError, NodeFault, TfimageError, cause
@@ -30,7 +31,7 @@ from tfimage.agent.gpu.drain import check_node
 from tfimage.agent.gpu.gate import drop_baseline, epilog_gate, health, load_baseline
 from tfimage.agent.hooklog import LOG_FILE, guarded, hook_logger, log_to
 from tfimage.agent.ids import valid_job_id
-from tfimage.agent.step.imagemount import release_job
+from tfimage.agent.step.imagemount import release_images, release_job
 from tfimage.agent.usage import jobfacts, metrics, record
 
 # Each option, the Slurm variable it defaults to (run directly as the Epilog), and
@@ -115,6 +116,7 @@ def _cleanup(
         ("checking its GPUs", gpus),
         ("unmounting", lambda: stuck.extend(release_job(cfg.state_dir, job_id))),
         ("releasing its images", lambda: ImageCache(cfg).release(job_id)),
+        ("unmounting images no job uses", lambda: stuck.extend(_unused(cfg))),
         ("dropping its GPU baseline", lambda: drop_baseline(cfg.state_dir, job_id)),
         ("recording its usage", lambda: _record(cfg, slurm, facts, after)),
     )
@@ -126,6 +128,13 @@ def _cleanup(
     for target in stuck:
         log.error("job %s: %s was busy; detached it lazily", job_id, target)
     return fault[0] if fault else None
+
+
+def _unused(cfg: Config) -> list[str]:
+    """Every shared image mount no running job holds, this job's and any an earlier
+    epilog could not finish."""
+    cache = ImageCache(cfg)
+    return release_images(cfg.state_dir, lambda digest: in_use(cache, digest))
 
 
 def _gpu_check(cfg: Config, job_id: str, slurm: dict[str, str]) -> dict[str, Any]:

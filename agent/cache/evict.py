@@ -52,6 +52,11 @@ def live_job(cache: ImageCache, job: str) -> bool:
     return (Path(cache.cfg.state_dir) / "jobs" / f"{job}.images.json").exists()
 
 
+def in_use(cache: ImageCache, digest: str) -> bool:
+    """Whether a job still running on this node holds the image."""
+    return any(live_job(cache, h) for h in cache.read_meta(digest).get("holders", []))
+
+
 def reclaim_holders(cache: ImageCache) -> int:
     """Drop holders whose jobs are gone from this node; returns how many."""
     dropped = 0

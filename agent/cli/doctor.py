@@ -359,14 +359,15 @@ def check_leftovers(ctx: Context) -> Iterator[Finding]:
     unmounted (a killed epilog), still holding the image file open."""
     if ctx.cfg is None:
         return
-    jobs = str(Path(ctx.cfg.state_dir) / "jobs") + "/"
+    state = Path(ctx.cfg.state_dir)
+    ours_under = (f"{state / 'jobs'}/", f"{state / 'images'}/")  # imagemount.py's
     with open("/proc/self/mountinfo") as f:
         mounted = {line.split()[4] for line in f}
     left = []
     for proc in psutil.process_iter(["pid", "name", "cmdline"]):
         cmd = proc.info.get("cmdline") or []
         fuse = proc.info.get("name") in ("squashfuse", "squashfuse_ll")  # image_mount's
-        ours = fuse and cmd and cmd[-1].startswith(jobs)
+        ours = fuse and cmd and cmd[-1].startswith(ours_under)
         if ours and cmd[-1] not in mounted:
             left.append(f"{proc.info['pid']} ({cmd[-1]})")
     if left:
@@ -374,7 +375,7 @@ def check_leftovers(ctx: Context) -> Iterator[Finding]:
             "mounts",
             "warning",
             f"squashfuse without its mount: {', '.join(left[:5])}",
-            "kill those processes; tfimage-epilog unmounts a job's images",
+            "kill those processes; tfimage-epilog unmounts the images no job uses",
         )
     else:
         yield Finding("mounts", "ok", "no leftover image mount process")

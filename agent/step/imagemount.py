@@ -1,19 +1,33 @@
-"""Per-job mounts on a node, for runtimes that need a mounted root filesystem.
+"""Image and step mounts on a node, for runtimes that need a mounted root filesystem.
 
-Under ``state_dir/jobs/<jobid>/`` (root-owned)::
+Under ``state_dir/`` (root-owned)::
 
-    img-<hex12>/          the SIF's squashfs partition (ro,nosuid,nodev), by the
-                          first driver of the config's image_mount that works here:
-                          the kernel's squashfs on a loop device (freed with the
-                          mount), squashfuse_ll or squashfuse
-    step-<stepid>/skel/   empty directories to bind host paths onto (0755),
+    images/sha256-<hex>/  the SIF's squashfs partition (ro,nosuid,nodev), one mount
+                          per image on the node, shared by every job using it, by
+                          the first driver of the config's image_mount that works
+                          here: the kernel's squashfs on a loop device (freed with
+                          the mount), squashfuse_ll or squashfuse
+    images/sha256-<hex>.lock   serialises mounting and unmounting that image
+    jobs/<jobid>/img-<hex12>/  the same, private to one job: only when a step must
+                          mount by itself from inside a job's cgroup, where a FUSE
+                          process would die with the job or step (Slurm kills what
+                          is left in it) and take another job's image with it
+    jobs/<jobid>/step-<stepid>/skel/   empty directories to bind host paths onto (0755),
                           empty files for a GPU step's driver (0644), and the
                           batch step's stand-ins for Slurm's commands (0755,
                           slurmstubs.py)
     step-<stepid>/root/   overlay of skel over the image (ro,nosuid,nodev):
                           what ch-run runs
 
-``jobs/``, ``jobs/<jobid>/`` and ``step-<stepid>/`` are 0711: the job's user must
+A shared mount is counted by the image's holders in the cache (store.py): the
+epilog unmounts it when no running job holds the image, under the image's lock,
+so a job that starts meanwhile either still sees it or mounts it again.  Each job
+reads it through its own overlay, which holds a reference of its own: even an
+unmount the holders got wrong never takes the image from a running step.  One
+mount per image means one page cache and one FUSE process per image on the node:
+the tenth job on the node mounts nothing.
+
+``images/``, ``jobs/``, ``jobs/<jobid>/`` and ``step-<stepid>/`` are 0711: the job's user must
 traverse them to reach the container root, but nobody lists them.  What lies there
 is the image (every cached image is readable by every local user, see cache/store.py) and
 empty directories; no user data is ever mounted in the host's namespace (binds are
@@ -28,10 +42,12 @@ home, batch script directory) without ever touching the user's paths as root.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import re
 import shutil
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from tfimage.agent import toolrun
@@ -108,6 +124,40 @@ def _mkdirs(state_dir: Path, path: Path, mode: int = 0o755) -> None:
         os.close(fd)
 
 
+_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
+# A Slurm job's cgroup, v1 (/slurm/uid_1/job_2/step_0) or v2
+# (/system.slice/slurmstepd.scope/job_2/step_0/...).
+_JOB_CGROUP = re.compile(r"/job_[0-9]+(/|$)")
+
+
+def shared_dir(state_dir: str, digest: str) -> Path:
+    m = _DIGEST.fullmatch(digest)
+    if not m:
+        raise RuntimeSetupError(f"invalid image digest {digest[:80]!r}")
+    return Path(state_dir) / "images" / f"sha256-{m.group(1)}"
+
+
+def in_job_cgroup(proc_cgroup: str = "/proc/self/cgroup") -> bool:
+    """Whether this process runs inside a Slurm job's cgroup (a step's helper run
+    without the daemon): what it starts there dies with the job."""
+    try:
+        with open(proc_cgroup) as f:
+            return any(_JOB_CGROUP.search(line.rstrip("\n").split(":", 2)[-1]) for line in f)
+    except OSError:
+        return False
+
+
+def _alive(target: Path) -> bool:
+    """A mount whose FUSE process died answers ENOTCONN: not a mount to hand a job."""
+    try:
+        os.stat(target)
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            return False
+        raise
+    return True
+
+
 def mount_image(
     state_dir: str,
     job_id: str,
@@ -115,13 +165,35 @@ def mount_image(
     digest: str,
     drivers: Sequence[str] = ("squashfuse",),
 ) -> Path:
-    """Mount the SIF's root partition for this job (idempotent), with the first of
-    ``drivers`` that works on this node; each that does not is logged and skipped."""
-    base = job_dir(state_dir, job_id)
-    target = base / f"img-{digest.split(':')[1][:12]}"
-    if mounted(target):
-        return target
-    _mkdirs(Path(state_dir), base, TRAVERSE_ONLY)
+    """The SIF's root partition mounted (idempotent), shared by every job on the node
+    (see above), with the first of ``drivers`` that works here; each that does not
+    is logged and skipped.  The caller has made ``job_id`` a holder of the image."""
+    shared = shared_dir(state_dir, digest)
+    _mkdirs(Path(state_dir), shared.parent, TRAVERSE_ONLY)
+    with held(Path(f"{shared}.lock")):
+        if mounted(shared) and _alive(shared):
+            return shared
+        if not in_job_cgroup():
+            _unmount(shared)  # a dead FUSE mount: its process was killed
+            return _mount(state_dir, shared, sif, drivers)
+    # Inside a job's cgroup: a mount of its own, which goes when the job does.
+    private = job_dir(state_dir, job_id) / f"img-{digest.split(':')[1][:12]}"
+    with job_lock(state_dir, job_id):
+        if mounted(private) and _alive(private):
+            return private
+        _unmount(private)
+        _mkdirs(Path(state_dir), private.parent, TRAVERSE_ONLY)
+        return _mount(state_dir, private, sif, drivers)
+
+
+def _unmount(target: Path) -> None:
+    """Detach whatever is mounted at ``target`` at once, even a busy or dead mount."""
+    while mounted(target):
+        toolrun.run(["umount", "-l", str(target)], timeout=MOUNT_TIMEOUT,
+                    what="unmounting a dead image mount")  # fmt: skip
+
+
+def _mount(state_dir: str, target: Path, sif: Path, drivers: Sequence[str]) -> Path:
     _mkdirs(Path(state_dir), target)
     with sif.open("rb") as f:
         part = root_partition(f, sif.stat().st_size)
@@ -249,4 +321,28 @@ def release_job(state_dir: str, job_id: str) -> list[str]:
     for leftover in (f"{base}.lock", f"{base}.images.json"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(leftover)
+    return stuck
+
+
+def release_images(state_dir: str, in_use: Callable[[str], bool]) -> list[str]:
+    """Unmount every shared image mount whose image no running job uses any more
+    (``in_use(digest)``, asked under the image's lock).  Returns the mount points
+    that were busy all the same (detached lazily: a process left in the image)."""
+    base = Path(state_dir) / "images"
+    with open("/proc/self/mountinfo") as f:
+        targets = sorted({Path(t) for line in f if (t := line.split()[4]).startswith(f"{base}/")})
+    stuck = []
+    for target in targets:
+        if target.parent != base or not _DIGEST.fullmatch(f"sha256:{target.name[7:]}"):
+            continue
+        with held(Path(f"{target}.lock")):
+            if in_use(f"sha256:{target.name[7:]}") or not mounted(target):
+                continue
+            try:
+                toolrun.run(["umount", str(target)], timeout=MOUNT_TIMEOUT, what="unmounting")
+            except RuntimeSetupError:
+                stuck.append(str(target))
+                _unmount(target)
+            with contextlib.suppress(OSError):
+                target.rmdir()
     return stuck

@@ -112,14 +112,13 @@ def _ready(
         if not runtime.needs_mount:
             return cached, None
         assert cached.ref.digest
-        with imagemount.job_lock(cfg.state_dir, job_id):
-            image_dir = imagemount.mount_image(
-                cfg.state_dir,
-                job_id,
-                cached.path,
-                cached.ref.digest,
-                cfg.mount_drivers(cache.read_meta(cached.ref.digest).get("origin")),
-            )
+        image_dir = imagemount.mount_image(
+            cfg.state_dir,
+            job_id,
+            cached.path,
+            cached.ref.digest,
+            cfg.mount_drivers(cache.read_meta(cached.ref.digest).get("origin")),
+        )
         return cached, image_dir
     except Exception as e:
         if prolog and not known:

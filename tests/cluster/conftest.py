@@ -155,6 +155,26 @@ class Cluster:
         with open(f"/proc/{self.node_pid(node)}/mountinfo") as f:
             return [line.split()[4] for line in f]
 
+    def job_mounts(self, node: str, job: str) -> dict[str, tuple[str, set[str]]]:
+        """{mount point: (fstype, options)} of what ``job`` has mounted on ``node``: its
+        own (step roots, a private image) and the shared image mounts its roots lie on."""
+        found: dict[str, tuple[str, set[str]]] = {}
+        lower: set[str] = set()
+        every: dict[str, tuple[str, set[str]]] = {}
+        with open(f"/proc/{self.node_pid(node)}/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                sep = fields.index("-")
+                target, fstype = fields[4], fields[sep + 1]
+                every[target] = (fstype, set(fields[5].split(",")))
+                if target.startswith(f"/run/tfimage/jobs/{job}/"):
+                    found[target] = every[target]
+                    for opt in fields[sep + 3].split(","):
+                        if opt.startswith("lowerdir="):
+                            lower.update(opt.removeprefix("lowerdir=").split(":"))
+        found.update({t: every[t] for t in lower if t.startswith("/run/tfimage/images/")})
+        return found
+
     def node_state(self, node: str) -> str:
         """The node's state once a finished job has left it (30 s at most)."""
         for _ in range(150):

@@ -13,6 +13,9 @@ import pytest
 from conftest import Cluster
 
 pytestmark = pytest.mark.cluster
+# Every mount tfimage makes: a job's own, and the images jobs share (none once no job
+# that uses one runs).
+TFIMAGE_MOUNTS = ("/run/tfimage/jobs/", "/run/tfimage/images/")
 
 
 def test_srun_two_nodes_inside_image(cluster: Cluster, workdir: Path) -> None:
@@ -172,7 +175,7 @@ def test_epilog_leaves_no_mounts_and_no_holds(cluster: Cluster, workdir: Path) -
     for node in ("n1", "n2"):
         cache = cluster.state / "nodes" / node / "cache" / "images"
         for _ in range(50):
-            left = [m for m in cluster.node_mounts(node) if m.startswith("/run/tfimage/jobs/")]
+            left = [m for m in cluster.node_mounts(node) if m.startswith(TFIMAGE_MOUNTS)]
             held = [
                 p.name
                 for p in cache.glob("*.json")

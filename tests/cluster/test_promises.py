@@ -400,11 +400,12 @@ def test_the_epilog_removes_the_mounts_and_holds_a_running_job_had(
     try:
         assert job.stdout is not None
         jid = job.stdout.readline().strip()
+        images = set()
         for node in ("n1", "n2"):
-            mounts = [
-                m for m in cluster.node_mounts(node) if m.startswith(f"/run/tfimage/jobs/{jid}/")
-            ]
-            assert len(mounts) == 2, mounts  # the image mount and the step's root
+            mounts = sorted(cluster.job_mounts(node, jid))
+            # the step's root, and the image (shared by the jobs on the node) under it
+            assert [m.split("/")[3] for m in mounts] == ["images", "jobs"], mounts
+            images.add((node, mounts[0]))
             held = [
                 p
                 for p in _node_cache(cluster, node).glob("*.json")
@@ -421,7 +422,7 @@ def test_the_epilog_removes_the_mounts_and_holds_a_running_job_had(
                 not [
                     m
                     for m in cluster.node_mounts(node)
-                    if m.startswith(f"/run/tfimage/jobs/{jid}/")
+                    if m.startswith(f"/run/tfimage/jobs/{jid}/") or (node, m) in images
                 ]
             ),
             timeout=60,

@@ -20,7 +20,7 @@ from hostile import Server
 from support import add_privileges, build_sif
 
 pytestmark = pytest.mark.cluster
-TFIMAGE_MOUNTS = "/run/tfimage/jobs/"
+TFIMAGE_MOUNTS = ("/run/tfimage/jobs/", "/run/tfimage/images/")
 
 
 def _as_nobody_on(cluster: Cluster, node: str, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -45,7 +45,7 @@ def test_a_setuid_file_or_device_in_a_users_image_is_never_root_on_the_node(
         assert job.stdout is not None
         assert job.stdout.readline().strip() == "up", job.stderr.read() if job.stderr else ""
         mine = [m for m in cluster.node_mounts("n1") if m.startswith(TFIMAGE_MOUNTS)]
-        image = [m for m in mine if "/img-" in m]
+        image = [m for m in mine if "/images/sha256-" in m]
         step = [m for m in mine if m.endswith("/root")]
         assert image and step, mine
         with open(f"/proc/{cluster.node_pid('n1')}/mountinfo") as f:

@@ -59,7 +59,9 @@ def traces(cluster: Cluster, node: str, job: str) -> dict[str, list[str]]:
             *run.glob(f"gpu/jobs/{job}.*"),
         )
     ]
-    mounts = [m for m in cluster.node_mounts(node) if m.startswith(f"/run/tfimage/jobs/{job}/")]
+    # The job's own, and every shared image mount: none is left once no job runs.
+    shared = {m for m in cluster.node_mounts(node) if m.startswith("/run/tfimage/images/")}
+    mounts = sorted(set(cluster.job_mounts(node, job)) | shared)
     cache = cluster.state / "nodes" / node / "cache" / "images"
     holds = [
         p.stem for p in cache.glob("*.json") if job in json.loads(p.read_text()).get("holders", [])

@@ -50,6 +50,7 @@ def test_docker_reference_is_converted_and_cached(registry: Registry, tmp_path: 
         assert (img / "bin/busybox").stat().st_uid == 0  # -all-root
     finally:
         imagemount.release_job(str(state), "1")
+        imagemount.release_images(str(state), lambda digest: False)
 
 
 def test_apptainer_builds_from_the_fetched_layout_without_credentials(tmp_path: Path) -> None:
@@ -147,6 +148,7 @@ def test_the_image_env_is_data_never_shell(
         assert ch_env == ["PLAIN='x y'"]  # a line break cannot be written there
     finally:
         imagemount.release_job(str(state), "1")
+        imagemount.release_images(str(state), lambda digest: False)
     warned = [r.getMessage() for r in caplog.records]
     assert any("dropped the image's Env entry 'a;touch" in m for m in warned), warned
     assert any("GOOD holds a line break" in m for m in warned), warned
@@ -175,6 +177,7 @@ def test_setuid_bits_and_devices_are_stripped_from_a_converted_image(
         assert (img / "bin/busybox").exists()  # the rest is intact
     finally:
         imagemount.release_job(str(state), "1")
+        imagemount.release_images(str(state), lambda digest: False)
     assert any(
         "removed setuid/setgid bits from 2 file(s) and 1 device node(s)" in r.getMessage()
         for r in caplog.records

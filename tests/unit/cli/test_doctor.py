@@ -107,7 +107,7 @@ def test_a_nearly_full_cache_and_a_leftover_mount_process_are_named(
     fake.write_text('#!/bin/sh\nsleep "$1"\n')
     fake.chmod(0o755)
     state = Path(load_config(ctx.config_path).state_dir)
-    gone = state / "jobs" / "9" / "img-abc"  # its mount point, unmounted
+    gone = state / "images" / ("sha256-" + "a" * 64)  # its mount point, unmounted
     # Its own process group: killing it must take its sleep too (a leftover sleep
     # fails the other host's leftover check).
     left = subprocess.Popen([str(fake), "300", str(gone)], start_new_session=True)

@@ -72,7 +72,7 @@ def test_the_epilog_twice_after_a_whole_job_leaves_nothing_and_records_it_once(
     assert prolog([f"--config={cfg}", *job]) == 0
     # While the job runs: its mount, its hold on the image, its state and usage facts.
     during = _job_traces(tmp_path, "31")
-    assert any("/jobs/31/img-" in t for t in during), during
+    assert any("/images/sha256-" in t for t in during), during  # the image, mounted
     assert any("holder 31" in t for t in during) and any("/usage/31.json" in t for t in during)
     args = [f"--config={cfg}", *job, "--asked=usagey:1", "--exit=0:0", *SLURM]
     assert epilog(args) == 0

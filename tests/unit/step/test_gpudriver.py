@@ -196,6 +196,7 @@ def test_a_gpu_step_in_charliecloud_sees_the_nodes_gpus_through_the_bound_driver
         assert seen[False][0] == 2 and seen[False][1][0].startswith("no driver:"), seen[False]
     finally:
         imagemount.release_job(str(work / "state"), "77")
+        imagemount.release_images(str(work / "state"), lambda digest: False)
         shutil.rmtree(work, ignore_errors=True)
 
 

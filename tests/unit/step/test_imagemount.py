@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
 import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,30 +33,166 @@ def test_job_ids_are_digits(bad: str) -> None:
         imagemount.job_dir("/run/tfimage", bad)
 
 
-def test_image_and_step_root_mount_and_release(
+def _mounts_under(path: Path) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f if line.split()[4].startswith(f"{path}/")]
+
+
+def test_two_jobs_share_one_image_mount_until_neither_uses_it(
     root_with_fuse: None, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
 ) -> None:
     sif = make_sif({"etc/marker": "from-image\n", "home/.keep": ""})
     state = tmp_path / "state"
     state.mkdir()
     digest = "sha256:" + "c" * 64
-    img = imagemount.mount_image(str(state), "42", sif, digest)
+    running = {"42", "43"}
     try:
-        assert imagemount.mounted(img)
+        img = imagemount.mount_image(str(state), "42", sif, digest)
+        assert img == state / "images" / ("sha256-" + "c" * 64)
         assert (img / "etc/marker").read_text() == "from-image\n"
-        assert imagemount.mount_image(str(state), "42", sif, digest) == img  # idempotent
-
-        root = imagemount.step_root(str(state), "42", "0", img, ["/home/u/proj", "/var/spool/x"])
-        assert imagemount.mounted(root)
+        assert imagemount.mount_image(str(state), "43", sif, digest) == img  # the same mount
+        roots = {
+            job: imagemount.step_root(str(state), job, "0", img, ["/home/u/proj", "/var/x"])
+            for job in sorted(running)
+        }
+        assert sorted(_mounts_under(state)) == sorted([str(img), *map(str, roots.values())])
+        root = roots["43"]
         assert (root / "etc/marker").read_text() == "from-image\n"
-        assert (root / "home/u/proj").is_dir() and (root / "var/spool/x").is_dir()
+        assert (root / "home/u/proj").is_dir() and (root / "var/x").is_dir()
         with pytest.raises(OSError):
             (root / "new-file").write_text("x")  # the container root is read-only
+
+        # Job 42 ends: its root goes, the image stays for 43.
+        assert imagemount.release_job(str(state), "42") == []
+        running.discard("42")
+        assert imagemount.release_images(str(state), lambda d: d == digest and bool(running)) == []
+        assert imagemount.mounted(img) and (root / "etc/marker").read_text() == "from-image\n"
+        assert not (state / "jobs" / "42").exists()
+
+        # Job 43 ends: nothing is left.
+        assert imagemount.release_job(str(state), "43") == []
+        running.discard("43")
+        assert imagemount.release_images(str(state), lambda d: d == digest and bool(running)) == []
+        assert _mounts_under(state) == []
+        assert not img.exists() and not (state / "jobs" / "43").exists()
     finally:
-        stuck = imagemount.release_job(str(state), "42")
-    assert stuck == []
-    assert not imagemount.mounted(img)
-    assert not (state / "jobs" / "42").exists()
+        for job in ("42", "43"):
+            imagemount.release_job(str(state), job)
+        imagemount.release_images(str(state), lambda d: False)
+
+
+def test_a_step_reads_its_image_even_if_the_shared_mount_went_under_it(
+    root_with_fuse: None, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    # The holders said nobody used it (a job an epilog believed gone), yet a step's
+    # root sat on it: the overlay keeps its own reference to the image, so the step
+    # reads on, and the next job mounts the image again.
+    sif = make_sif({"etc/marker": "still here\n"})
+    state = tmp_path / "state"
+    digest = "sha256:" + "d" * 64
+    img = imagemount.mount_image(str(state), "44", sif, digest)
+    root = imagemount.step_root(str(state), "44", "0", img, ["/home/u"])
+    try:
+        assert imagemount.release_images(str(state), lambda d: False) == []
+        assert not imagemount.mounted(img)
+        assert (root / "etc/marker").read_text() == "still here\n"
+        assert imagemount.mount_image(str(state), "47", sif, digest) == img
+        assert (img / "etc/marker").read_text() == "still here\n"
+    finally:
+        assert imagemount.release_job(str(state), "44") == []
+        imagemount.release_images(str(state), lambda d: False)
+    assert _mounts_under(state) == []
+
+
+def test_a_fuse_mount_whose_process_died_is_mounted_again(
+    root_with_fuse: None, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    sif = make_sif({"etc/marker": "again\n"})
+    state = tmp_path / "state"
+    digest = "sha256:" + "f" * 64
+    try:
+        img = imagemount.mount_image(str(state), "45", sif, digest, ("squashfuse_ll",))
+        fuse = subprocess.run(["pgrep", "-f", f"squashfuse_ll .* {img}$"], capture_output=True,
+                              text=True, timeout=30).stdout.split()  # fmt: skip
+        assert len(fuse) == 1, fuse
+        os.kill(int(fuse[0]), 9)
+        for _ in range(50):
+            with contextlib.suppress(OSError):
+                img.stat()
+                time.sleep(0.1)
+                continue
+            break
+        with pytest.raises(OSError):  # ENOTCONN: what a job would have been handed
+            img.stat()
+        again = imagemount.mount_image(str(state), "46", sif, digest, ("squashfuse_ll",))
+        assert again == img and (img / "etc/marker").read_text() == "again\n"
+        assert _mounts_under(state) == [str(img)]
+    finally:
+        imagemount.release_images(str(state), lambda d: False)
+    assert _mounts_under(state) == []
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "inside"),
+    [
+        ("12:pids:/slurm/uid_1000/job_77/step_0\n0::/\n", True),  # cgroup v1
+        ("0::/system.slice/slurmstepd.scope/job_77/step_batch/user/task_0\n", True),  # v2
+        ("0::/system.slice/slurmstepd.scope/job_77\n", True),
+        ("0::/system.slice/slurmd.service\n", False),  # the prolog, the daemon
+        ("0::/system.slice/tfimage-daemon.service\n4:memory:/job_x/step_0\n", False),
+        ("0::/user.slice/job_1234abc\n", False),
+    ],
+)
+def test_a_helper_knows_when_it_runs_inside_a_slurm_jobs_cgroup(
+    tmp_path: Path, cgroup: str, inside: bool
+) -> None:
+    (tmp_path / "cgroup").write_text(cgroup)
+    assert imagemount.in_job_cgroup(str(tmp_path / "cgroup")) is inside
+
+
+def test_a_step_inside_a_jobs_cgroup_mounts_for_its_job_alone(
+    root_with_fuse: None, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    # Its FUSE process lives in the job's cgroup and dies with the job: never a mount
+    # that another job could be handed.
+    freezer = Path("/sys/fs/cgroup/freezer")
+    if not (freezer / "cgroup.procs").exists():
+        pytest.skip("no cgroup v1 freezer hierarchy to make a job's cgroup in")
+    top = freezer / f"tfimage-test-{os.getpid()}"
+    cg = top / "job_9" / "step_0"
+    cg.mkdir(parents=True)
+    sif = make_sif({"etc/marker": "mine\n"})
+    state = tmp_path / "state"
+    code = (
+        "from pathlib import Path\n"
+        "from tfimage.agent.step import imagemount\n"
+        f"sif, state = Path({str(sif)!r}), {str(state)!r}\n"
+        "print(imagemount.mount_image(state, '9', sif, 'sha256:' + '9' * 64))\n"
+    )
+
+    def enter() -> None:
+        (cg / "cgroup.procs").write_text(str(os.getpid()))
+
+    try:
+        r = subprocess.run([sys.executable, "-c", code], preexec_fn=enter, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == str(state / "jobs" / "9" / ("img-" + "9" * 12))
+        # Outside any job (the prolog, the daemon) the same image is the shared mount.
+        shared = imagemount.mount_image(str(state), "10", sif, "sha256:" + "9" * 64)
+        assert shared == state / "images" / ("sha256-" + "9" * 64)
+        assert sorted(_mounts_under(state)) == sorted([r.stdout.strip(), str(shared)])
+    finally:
+        imagemount.release_job(str(state), "9")
+        imagemount.release_images(str(state), lambda d: False)
+        for _ in range(50):  # the FUSE process leaves the cgroup when its mount goes
+            with contextlib.suppress(OSError):
+                cg.rmdir()
+                cg.parent.rmdir()
+                top.rmdir()
+                break
+            time.sleep(0.1)
+    assert _mounts_under(state) == []
 
 
 def test_skeleton_refuses_symlinks_on_the_way(root_with_fuse: None, tmp_path: Path) -> None:
@@ -106,9 +245,11 @@ def test_a_setuid_file_or_device_in_an_image_is_never_honoured_on_the_host(
             r = _as_nobody("/bin/dd", f"if={base / 'null'}", "of=/dev/null", "count=1")
             assert r.returncode != 0 and "Permission denied" in r.stderr
         # Traversable by the job's user (any uid here), but not listable.
-        for d in (state / "jobs", state / "jobs" / "5", state / "jobs" / "5" / "step-0"):
+        job = state / "jobs" / "5"
+        for d in (state / "images", state / "jobs", job, job / "step-0"):
             assert stat.S_IMODE(d.stat().st_mode) == 0o711, d
         assert _as_nobody("/bin/ls", str(state / "jobs" / "5")).returncode != 0
     finally:
         imagemount.release_job(str(state), "5")
+        imagemount.release_images(str(state), lambda d: False)
         shutil.rmtree(state, ignore_errors=True)

@@ -15,7 +15,7 @@ import pytest
 
 from support import Registry
 from tfimage.agent.config import compile_config
-from tfimage.agent.step.imagemount import release_job
+from tfimage.agent.step.imagemount import release_images, release_job
 
 HEAVY = ("requests", "yaml", "oras", "psutil", "pynvml")
 SCRIPT = """
@@ -64,6 +64,7 @@ def test_a_pull_and_a_step_preparation_load_no_heavy_library(
         )
     finally:
         release_job(str(tmp_path / "state"), "5")
+        release_images(str(tmp_path / "state"), lambda digest: False)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stderr.strip().splitlines()[-1])
     assert got == {"status": [0, 0], "heavy": []}, r.stderr

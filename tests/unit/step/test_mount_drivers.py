@@ -53,6 +53,7 @@ def test_each_driver_mounts_the_image_nosuid_nodev_and_leaves_with_the_job(
             assert str(sif) in _loops_of(sif)
     finally:
         assert imagemount.release_job(str(state), "61") == []
+        assert imagemount.release_images(str(state), lambda digest: False) == []
     assert not imagemount.mounted(img) and _loops_of(sif) == ""  # the loop device went too
 
 
@@ -69,7 +70,7 @@ def test_a_node_without_loop_devices_falls_back_to_fuse_and_says_so(
         f"img = imagemount.mount_image({str(state)!r}, '62', Path({str(sif)!r}),"
         " 'sha256:' + 'b' * 64, ('kernel', 'squashfuse_ll'))\n"
         "print(open('/proc/self/mountinfo').read())\n"
-        f"imagemount.release_job({str(state)!r}, '62')\n"
+        f"imagemount.release_images({str(state)!r}, lambda digest: False)\n"
     )
     old = tmp_path / "olddev"
     old.mkdir()
@@ -82,7 +83,7 @@ def test_a_node_without_loop_devices_falls_back_to_fuse_and_says_so(
     r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, code],
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    mounted = [line for line in r.stdout.splitlines() if "/jobs/62/img-" in line]
+    mounted = [line for line in r.stdout.splitlines() if "/images/sha256-bbbb" in line]
     assert len(mounted) == 1 and "fuse.squashfuse_ll" in mounted[0], r.stdout[-2000:]
     assert r.stderr.count("\n") == 1
     assert r.stderr.startswith("image mount: kernel: ") and "trying the next driver" in r.stderr
@@ -163,3 +164,4 @@ def test_a_bind_where_a_stand_in_would_go_wins_and_the_others_run(
         assert sbatch.read_text() == slurmstubs.script("sbatch")
     finally:
         assert imagemount.release_job(str(state), "64") == []
+        imagemount.release_images(str(state), lambda digest: False)
