@@ -284,7 +284,11 @@ def build_parser(daemon: Handler | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, *, daemon: Handler | None = None) -> int:
-    args = build_parser(daemon).parse_args(argv)
+    return dispatch(build_parser(daemon).parse_args(argv))
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    """Run a parsed command: its exit status, and one ``tfimage:`` line on failure."""
     try:
         return int(args.func(args))
     except TfimageError as e:

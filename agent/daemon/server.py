@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import gc
 import json
 import os
 import selectors
@@ -266,7 +267,9 @@ def serve(
     its deadline (an edited config is honoured without a restart)."""
     # Everything a step or a pin needs, imported once, before the first request
     # (a forked worker would otherwise import it again each time: the registry
-    # client and its hashlib are ~8 ms).
+    # client and its hashlib are ~8 ms; ssl's hostname codec, ~1 ms).
+    import encodings.idna  # noqa: F401
+
     import tfimage.agent.cache.download
     import tfimage.agent.daemon.pinserver
     import tfimage.agent.registry.access
@@ -276,7 +279,16 @@ def serve(
     import tfimage.agent.step.binds
     import tfimage.agent.step.plan
     import tfimage.agent.step.taskenv
-    import tfimage.agent.submit.pin  # noqa: F401
+    import tfimage.agent.submit.pin
+
+    # The registry's TLS context too (~2 ms a connection): a bad CA bundle is the
+    # worker's to report, one request at a time.
+    with contextlib.suppress(Exception):
+        tfimage.agent.registry.transport.tls_context(cfg.ca_bundle or True)
+    # What is loaded now is never collected: a worker's collections then leave the
+    # parent's objects alone instead of touching (and copying) their pages.
+    gc.collect()
+    gc.freeze()
 
     # Root's own SLURM_CONF and LD_LIBRARY_PATH (the service's, never a job's) stay: the
     # prolog's GPU gate drains through scontrol, which needs slurm.conf where it is not

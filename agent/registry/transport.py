@@ -16,7 +16,9 @@ Neither reads proxies or netrc from the environment: only what the config says.
 from __future__ import annotations
 
 import base64
+import functools
 import http.client
+import os
 import ssl
 import urllib.parse
 from collections.abc import Iterable, Mapping
@@ -176,6 +178,29 @@ class _StdlibResponse(_Closing):
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
+def tls_context(verify: str | bool) -> ssl.SSLContext:
+    """The TLS context for ``verify`` (a CA bundle, True for the system's, False for
+    none), made once per process and bundle: loading a bundle costs ~2 ms a
+    connection, and the daemon makes it before it forks, for its workers to share.
+    A bundle that changed on disk (a site's CA rotated) is loaded again."""
+    if isinstance(verify, str):
+        try:
+            st = os.stat(verify)
+            return _tls_context(verify, (st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            pass  # load_verify_locations says what is wrong with it
+    return _tls_context(verify, None)
+
+
+@functools.lru_cache(maxsize=8)
+def _tls_context(verify: str | bool, _version: tuple[int, int, int] | None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
+    if verify is False:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
 class StdlibTransport:
     """``http.client`` with one kept-alive connection per host; follows redirects
     (at most 5) as :func:`redirect` allows, credentials only to the same host."""
@@ -190,10 +215,7 @@ class StdlibTransport:
         conn = self._conns.get(key)
         if conn is None:
             if scheme == "https":
-                ctx = ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
-                if verify is False:
-                    ctx.check_hostname = False
-                    ctx.verify_mode = ssl.CERT_NONE
+                ctx = tls_context(verify)
                 conn = http.client.HTTPSConnection(netloc, timeout=timeout[0], context=ctx)
             else:
                 conn = http.client.HTTPConnection(netloc, timeout=timeout[0])

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from tfimage.agent.cli.main import build_parser, dispatch
 from tfimage.agent.cli.main import main as cli
 from tfimage.agent.errors import TfimageError
 
@@ -29,10 +30,17 @@ def daemon(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     state = Path(cfg.state_dir)
     pin = None if args.no_pin_server else Path(args.pin_socket or state / "pin.sock")
+    # Built once, here: a forked worker would build it again, importing every
+    # command on the way (~10 ms of each step's launch).
+    parser = build_parser()
     return serve(
         Path(args.socket or state / "daemon.sock"),
         cfg,
-        {CLI: cli, "tfimage-prolog": prolog, "tfimage-epilog": epilog},
+        {
+            CLI: lambda argv: dispatch(parser.parse_args(argv)),
+            "tfimage-prolog": prolog,
+            "tfimage-epilog": epilog,
+        },
         pin,
         config_path=Path(args.config),
         trace=Path(args.trace) if args.trace else None,

@@ -34,7 +34,7 @@ from tfimage.agent.errors import (
 from tfimage.agent.registry.access import client_for
 from tfimage.agent.registry.client import RegistryClient
 from tfimage.agent.registry.credentials import Credential
-from tfimage.agent.registry.transport import RequestsTransport, StdlibTransport
+from tfimage.agent.registry.transport import RequestsTransport, StdlibTransport, tls_context
 
 
 @pytest.fixture
@@ -618,3 +618,26 @@ def test_a_4xx_from_the_registry_is_final_and_no_mirror_is_asked(
     with pytest.raises(RegistryError):
         cache.ensure(cache.cfg.reference("x:1"))
     assert mirror.b.seen == []
+
+
+def test_a_ca_bundle_replaced_on_disk_is_used_by_the_next_connection(
+    server: Server, tls: Path, tmp_path: Path
+) -> None:
+    # The daemon makes its TLS context once, before it forks, for every worker: a
+    # site that rotates its CA (the role writes a new file over the old) must not
+    # have to restart it.
+    bundle = tmp_path / "ca.crt"
+    bundle.write_bytes((tls / "srv.crt").read_bytes())  # not the CA that signed the server
+    server.serve(b"x")
+
+    def client() -> RegistryClient:
+        return RegistryClient(server.host, CRED, ca_bundle=str(bundle),
+                              transport=StdlibTransport(), attempts=1)  # fmt: skip
+
+    with pytest.raises(RegistryError, match="TLS verification failed"):
+        client().manifest("library/x", "1")
+    assert tls_context(str(bundle)) is tls_context(str(bundle))  # made once, then shared
+    new = tmp_path / "ca.crt.new"
+    new.write_bytes((tls / "ca.crt").read_bytes())
+    new.replace(bundle)
+    assert client().manifest("library/x", "1").digest.startswith("sha256:")
