@@ -14,9 +14,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.errors import ConfigError
+from tfimage.agent.errors import ConfigError, ImageReferenceError
 from tfimage.agent.gpuconfig import GpuPolicy, gpu_policy
-from tfimage.agent.reference import Reference, check_allowed, parse_reference
+from tfimage.agent.reference import (
+    Reference,
+    check_allowed,
+    check_rewrite,
+    is_repository_path,
+    parse_reference,
+)
 
 DEFAULT_PATH = Path("/etc/tfimage/config.yaml")
 RUNTIMES = ("charliecloud", "apptainer", "singularity")
@@ -88,6 +94,12 @@ class Config:
     # process of their own, as Apptainer does for unprivileged images by default.
     image_mount: tuple[str, ...] = ("squashfuse_ll", "squashfuse")
     image_mount_kernel: tuple[str, ...] = ()
+    # Upstream registries served through the site's registry (Harbor proxy-cache
+    # projects): the project Docker Hub names map to (docker://tensorflow/tensorflow,
+    # docker.io/...), and other upstreams by prefix ({"nvcr.io": "harbor.site/nvcr"});
+    # see reference.py.  The allowlist applies to what they map to.
+    dockerhub_project: str = ""
+    registry_rewrites: dict[str, str] = field(default_factory=dict)
     # The GPU gate (gpuconfig.py documents every key).
     gpu: GpuPolicy = field(default_factory=GpuPolicy)
 
@@ -116,7 +128,13 @@ class Config:
 
     def reference(self, text: str) -> Reference:
         """Parse ``text`` with this site's defaults and allowlist."""
-        ref = parse_reference(text, self.registry, self.project)
+        ref = parse_reference(
+            text,
+            self.registry,
+            self.project,
+            dockerhub_project=self.dockerhub_project or None,
+            rewrites=tuple(self.registry_rewrites.items()),
+        )
         check_allowed(ref, self.allowlist)
         return ref
 
@@ -173,6 +191,24 @@ def _coerce(key: str, value: Any, path: Path) -> Any:
             for k, v in value.items()
         ):
             raise ConfigError(f"{path}: 'site_env' must map variable names to strings")
+        return dict(value)
+    if key == "dockerhub_project":
+        if not isinstance(value, str) or not (value == "" or is_repository_path(value)):
+            raise ConfigError(f"{path}: 'dockerhub_project' must be a project name, e.g. dockerhub")
+        return value
+    if key == "registry_rewrites":
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        ):
+            raise ConfigError(
+                f"{path}: 'registry_rewrites' must map upstream prefixes to the site's, "
+                "e.g. {nvcr.io: harbor.example.org/nvcr}"
+            )
+        for upstream, site in value.items():
+            try:
+                check_rewrite(upstream, site)
+            except ImageReferenceError as e:
+                raise ConfigError(f"{path}: 'registry_rewrites': {e}") from None
         return dict(value)
     if key == "tf_port_range":
         if (

@@ -10,12 +10,28 @@ The first component is a host when it contains ``.`` or ``:`` or is ``localhost`
 (Docker's rule).  A missing tag means ``latest``.  ``oras://`` names a SIF
 artifact, ``docker://`` an OCI image; with neither, the manifest decides.
 
+Where the site serves upstream registries through projects of its own (Harbor's
+proxy caches), names are mapped onto them, before any allowlist::
+
+    dockerhub_project: dockerhub
+    docker://tensorflow/tensorflow:2.16.1  -> <registry>/dockerhub/tensorflow/tensorflow:2.16.1
+    docker://ubuntu:22.04                  -> <registry>/dockerhub/library/ubuntu:22.04
+    docker.io/ubuntu (index.docker.io, registry-1.docker.io) -> the same way
+
+    rewrites: {nvcr.io: harbor.site/nvcr}
+    nvcr.io/nvidia/tensorflow:24.01-tf2-py3 -> harbor.site/nvcr/nvidia/tensorflow:...
+
+(``docker://name`` without a host means Docker Hub only with a ``dockerhub_project``,
+as ``singularity exec docker://name`` does; without one it is the site's registry.)
+The longest matching rewrite wins; it matches whole path components.
+
 Everything here is pure: parsing never touches the network or the disk.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tfimage.agent.errors import ImageReferenceError
@@ -32,6 +48,8 @@ _HOST = re.compile(
     r"(?::[0-9]{1,5})?\Z"
 )
 _TRANSPORTS = ("oras", "docker")
+# Docker Hub's names for itself, as `docker pull` accepts them.
+DOCKER_HUB = ("docker.io", "index.docker.io", "registry-1.docker.io")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +95,17 @@ def _fail(text: str, why: str) -> ImageReferenceError:
     return ImageReferenceError(f"invalid image reference {shown!r}: {why}")
 
 
-def parse_reference(text: str, default_registry: str, default_project: str) -> Reference:
-    """Parse ``text`` strictly; raise :class:`ImageReferenceError` naming the problem."""
+def parse_reference(
+    text: str,
+    default_registry: str,
+    default_project: str,
+    *,
+    dockerhub_project: str | None = None,
+    rewrites: Sequence[tuple[str, str]] = (),
+) -> Reference:
+    """Parse ``text`` strictly; raise :class:`ImageReferenceError` naming the problem.
+    ``dockerhub_project`` and ``rewrites`` ({upstream prefix: site prefix}, checked
+    with :func:`check_rewrite`) map upstream names onto the site's (see above)."""
     if not isinstance(text, str):
         raise ImageReferenceError("image reference must be a string")
     if not text:
@@ -114,7 +141,8 @@ def parse_reference(text: str, default_registry: str, default_project: str) -> R
         raise _fail(text, "no image name")
     parts = rest.split("/")
     first = parts[0]
-    if len(parts) > 1 and ("." in first or ":" in first or first == "localhost"):
+    named = len(parts) > 1 and ("." in first or ":" in first or first == "localhost")
+    if named:
         registry = first
         if not _HOST.match(registry):
             raise _fail(text, f"registry {registry!r} is not a valid host[:port]")
@@ -125,6 +153,17 @@ def parse_reference(text: str, default_registry: str, default_project: str) -> R
     else:
         registry = default_registry
         path = parts if len(parts) > 1 else [default_project, *parts]
+
+    hub = registry in DOCKER_HUB if named else transport == "docker"
+    if dockerhub_project and hub:
+        upstream = parts[1:] if named else parts
+        registry = default_registry
+        path = [
+            *dockerhub_project.split("/"),
+            *(upstream if len(upstream) > 1 else ["library", *upstream]),
+        ]
+    elif named:
+        registry, path = _rewritten(registry, path, rewrites)
 
     for component in path:
         if not component:
@@ -141,6 +180,40 @@ def parse_reference(text: str, default_registry: str, default_project: str) -> R
     if tag is None and digest is None:
         tag = "latest"
     return Reference(registry, repository, tag, digest, transport)
+
+
+def _rewritten(
+    registry: str, path: list[str], rewrites: Sequence[tuple[str, str]]
+) -> tuple[str, list[str]]:
+    full = [registry, *path]
+    best: tuple[list[str], list[str]] | None = None
+    for upstream, site in rewrites:
+        prefix = upstream.split("/")
+        longer = best is None or len(prefix) > len(best[0])
+        if full[: len(prefix)] == prefix and len(full) > len(prefix) and longer:
+            best = (prefix, site.split("/"))
+    if best is None:
+        return registry, path
+    prefix, target = best
+    return target[0], [*target[1:], *full[len(prefix) :]]
+
+
+def is_repository_path(text: str) -> bool:
+    """``project[/path]``: components as a repository's, e.g. a Harbor project."""
+    return all(_COMPONENT.match(p) for p in text.split("/"))
+
+
+def check_rewrite(upstream: str, site: str) -> None:
+    """A rewrite's two sides: ``host[/path]`` each, the site's with a project."""
+    for side, min_parts in ((upstream, 1), (site, 2)):
+        parts = side.split("/") if isinstance(side, str) else []
+        if (
+            len(parts) < min_parts
+            or not _HOST.match(parts[0])
+            or (len(parts) > 1 and not is_repository_path("/".join(parts[1:])))
+        ):
+            shape = "host[/path]" if min_parts == 1 else "host/project[/path]"
+            raise ImageReferenceError(f"rewrite {upstream!r}: {side!r} is not {shape}")
 
 
 def check_allowed(ref: Reference, allowed: tuple[str, ...]) -> None:

@@ -443,6 +443,9 @@ tfimage_config_dir: $ETC/tfimage
 tfimage_slurm_reconfigure: false
 tfimage_registry: "$REGISTRY"
 tfimage_project: library
+# The local registry stands in for Harbor's Docker Hub proxy cache: docker://ubuntu
+# is \$REGISTRY/dockerhub/library/ubuntu, pushed there by the tests.
+tfimage_dockerhub_project: dockerhub
 tfimage_ca_pem: |
 $(sed 's/^/  /' "$STATE/pki/ca.crt")
 tfimage_registry_credentials:

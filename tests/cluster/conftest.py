@@ -21,7 +21,7 @@ import pytest
 import yaml
 from hostile import Server
 
-from support import build_sif
+from support import Registry, build_sif
 
 REPO = Path(__file__).resolve().parents[2]
 ENV_FILE = REPO / "build" / "cluster.env"
@@ -237,6 +237,17 @@ def workdir(cluster: Cluster) -> Iterator[Path]:
     os.chown(d, pw.pw_uid, pw.pw_gid)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+def site_registry(cluster: Cluster) -> Registry:
+    """The cluster's registry with its robot's credentials, to push OCI images with
+    skopeo (skipped, saying why, where umoci, skopeo or busybox is missing)."""
+    for tool in ("umoci", "skopeo", "busybox"):
+        if not shutil.which(tool):
+            pytest.skip(f"needs {tool} (deploy/local/packages.sh installs it)")
+    site = yaml.safe_load(Path(cluster.env["TFIMAGE_CONFIG"]).read_text())
+    creds = yaml.safe_load(Path(site["credentials"]).read_text())["registries"][site["registry"]]
+    return Registry(site["registry"], Path(site["ca_bundle"]), creds["username"], creds["password"])
 
 
 def write_script(d: Path, name: str, text: str, user: str) -> Path:

@@ -35,6 +35,9 @@ def test_defaults_and_allowlist(tmp_path: Path) -> None:
         ("pull_stripe_bytes: 1000000\n", "multiple of 4096"),
         ("- a\n- b\n", "mapping"),
         ("a: [\n", "not valid YAML"),
+        ("dockerhub_project: Docker Hub\n", "project name"),
+        ("registry_rewrites: [nvcr.io]\n", "map upstream prefixes"),
+        ("registry_rewrites: {nvcr.io: harbor.site}\n", "host/project"),
     ],
 )
 def test_bad_config_is_one_clear_line(tmp_path: Path, text: str, why: str) -> None:
@@ -115,3 +118,19 @@ def test_a_zero_size_or_time_is_refused(tmp_path: Path, key: str) -> None:
 def test_a_mirror_that_is_the_registry_is_asked_once(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, "registry: reg.site\nmirrors: [reg.site, m1.site]\n"))
     assert cfg.sources(cfg.reference("tiny:1")) == ["reg.site", "m1.site"]
+
+
+def test_the_allowlist_judges_what_an_upstream_name_maps_to(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, (
+        "registry: reg.site\ndockerhub_project: dockerhub\n"
+        "registry_rewrites: {nvcr.io: reg.site/nvcr, ghcr.io: elsewhere.site/ghcr}\n"
+    )))  # fmt: skip
+    assert (
+        str(cfg.reference("docker://ubuntu:22.04"))
+        == "docker://reg.site/dockerhub/library/ubuntu:22.04"
+    )
+    assert str(cfg.reference("nvcr.io/nvidia/tf:1")) == "reg.site/nvcr/nvidia/tf:1"
+    with pytest.raises(ImageReferenceError, match=r"'elsewhere\.site' is not allowed"):
+        cfg.reference("ghcr.io/acme/x:1")  # mapped, but not to a registry the site allows
+    with pytest.raises(ImageReferenceError, match=r"'quay\.io' is not allowed"):
+        cfg.reference("quay.io/acme/x:1")  # no rewrite: as before

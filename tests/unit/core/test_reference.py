@@ -1,11 +1,11 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tfimage.agent.errors import ImageReferenceError
-from tfimage.agent.reference import Reference, check_allowed, parse_reference
+from tfimage.agent.reference import Reference, check_allowed, check_rewrite, parse_reference
 
 REG, PROJ = "harbor.example", "library"
 D = "sha256:" + "ab" * 32
@@ -157,3 +157,76 @@ def test_a_second_prefix_or_digest_is_refused_not_split_again(text: str, why: st
     # Found by mutants of the split's maxsplit (1 -> 2).
     with pytest.raises(ImageReferenceError, match=why):
         p(text)
+
+
+# --- upstream names through the site's proxy-cache projects ------------------------------------
+
+REWRITES = (("nvcr.io", "harbor.example/nvcr"), ("ghcr.io", "harbor.example/ghcr"),
+            ("ghcr.io/acme", "harbor.example/acme-mirror"))  # fmt: skip
+
+
+def hub(text: str, project: str | None = "dockerhub") -> Reference:
+    return parse_reference(text, REG, PROJ, dockerhub_project=project, rewrites=REWRITES)
+
+
+@pytest.mark.parametrize(
+    ("text", "canonical"),
+    [
+        ("docker://tensorflow/tensorflow:latest-gpu",
+         "docker://harbor.example/dockerhub/tensorflow/tensorflow:latest-gpu"),
+        ("docker://ubuntu:22.04", "docker://harbor.example/dockerhub/library/ubuntu:22.04"),
+        ("docker://ubuntu", "docker://harbor.example/dockerhub/library/ubuntu:latest"),
+        ("docker.io/ubuntu:22.04", "harbor.example/dockerhub/library/ubuntu:22.04"),
+        ("index.docker.io/library/ubuntu", "harbor.example/dockerhub/library/ubuntu:latest"),
+        (f"docker://registry-1.docker.io/nvidia/cuda@{D}",
+         f"docker://harbor.example/dockerhub/nvidia/cuda@{D}"),
+        # The site's own names are the site's: no docker:// and no Docker Hub host.
+        ("tf-custom:2.0", "harbor.example/library/tf-custom:2.0"),
+        ("oras://tf-custom:2.0", "oras://harbor.example/library/tf-custom:2.0"),
+        ("docker://harbor.example/ml/x:1", "docker://harbor.example/ml/x:1"),
+        # Other upstreams by prefix, whole components, the longest first.
+        ("nvcr.io/nvidia/tensorflow:24.01-tf2-py3",
+         "harbor.example/nvcr/nvidia/tensorflow:24.01-tf2-py3"),
+        ("ghcr.io/acme/train:1", "harbor.example/acme-mirror/train:1"),
+        ("ghcr.io/acmeco/train:1", "harbor.example/ghcr/acmeco/train:1"),
+        ("nvcr.io.evil.example/nvidia/x:1", "nvcr.io.evil.example/nvidia/x:1"),
+    ],
+)  # fmt: skip
+def test_upstream_names_map_onto_the_sites_projects(text: str, canonical: str) -> None:
+    assert str(hub(text)) == canonical
+
+
+def test_without_a_dockerhub_project_docker_names_stay_as_they_were() -> None:
+    assert str(hub("docker://ubuntu:22.04", None)) == "docker://harbor.example/library/ubuntu:22.04"
+    assert hub("docker.io/library/ubuntu", None).registry == "docker.io"  # the allowlist's call
+
+
+@given(
+    host=st.sampled_from([None, "docker.io", "index.docker.io", "nvcr.io", "ghcr.io"]),
+    path=st.lists(_component, min_size=1, max_size=3),
+    tag=st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,20}", fullmatch=True),
+)
+def test_a_mapped_name_is_the_sites_and_maps_to_itself(
+    host: str | None, path: list[str], tag: str
+) -> None:
+    if host == "nvcr.io" and len(path) == 1:
+        path = ["nvidia", *path]
+    assume(host or len(path) == 1 or "." not in path[0])  # else it names a host (Docker's rule)
+    text = f"docker://{host + '/' if host else ''}{'/'.join(path)}:{tag}"
+    try:
+        ref = hub(text)
+    except ImageReferenceError as e:
+        assert "longer than" in str(e)
+        return
+    assert ref.registry == REG and ref.tag == tag and ref.repository.endswith("/".join(path))
+    assert hub(str(ref)) == ref  # the site's name is never mapped a second time
+
+
+@pytest.mark.parametrize(
+    ("upstream", "site"),
+    [("nvcr.io", "harbor.example"), ("", "harbor.example/x"), ("nvcr.io", "harbor.example/X"),
+     ("nvcr.io/", "harbor.example/x"), ("nv cr", "harbor.example/x")],
+)  # fmt: skip
+def test_a_bad_rewrite_is_named(upstream: str, site: str) -> None:
+    with pytest.raises(ImageReferenceError, match="rewrite"):
+        check_rewrite(upstream, site)
