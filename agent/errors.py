@@ -13,6 +13,7 @@
     +-- RequestError             a daemon request not of its one shape      (exit 1)
     +-- ImageError               the image can't be had; never drains a node (exit 3)
     |   +-- RegistryError        auth refused, not found, bad answer
+    |   |   +-- ImageNotFound        no such tag or repository (for these credentials)
     |   |   +-- RegistryUnreachable  no answer (connection, timeout, 5xx) after retries
     |   |   |   +-- RegistryStalled  no byte within the read timeout: not asked again
     |   |   +-- RangeUnsupported     Range answered with the whole blob (caller streams it)
@@ -72,6 +73,10 @@ class ImageError(TfimageError):
 
 
 class RegistryError(ImageError):
+    pass
+
+
+class ImageNotFound(RegistryError):  # noqa: N818 - it names a state, like FileNotFoundError
     pass
 
 

@@ -42,6 +42,8 @@ class Behaviour:
     redirect_blob: str | None = None  # answer blob GETs with 307 to this Location
     basic: bool = False  # challenge requests without credentials for Basic auth
     status: int | None = None  # answer every request with this status and nothing else
+    # tag list pages in the order asked for: (tags, the Link header to send or None)
+    tag_pages: list[tuple[list[str], str | None]] = field(default_factory=list)
     # (path, Authorization header or "") of every request, in order
     seen: list[tuple[str, str]] = field(default_factory=list)
 
@@ -94,6 +96,18 @@ class Server:
                     return
                 if b.bearer:
                     b.tokens.append("expired")  # the token just used is now stale
+                if "/tags/list" in self.path and b.tag_pages:
+                    asked = sum(1 for path, _ in b.seen if "/tags/list" in path)
+                    tags, link = b.tag_pages[min(asked, len(b.tag_pages)) - 1]
+                    body = json.dumps({"name": "x", "tags": tags}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    if link:
+                        self.send_header("Link", link)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 if "/manifests/" in self.path:
                     b.manifest_requests += 1
                     if b.busy:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from tfimage.agent.errors import (
+    ImageNotFound,
     RangeUnsupported,
     RegistryError,
     RegistryStalled,
@@ -54,6 +55,10 @@ _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 _CHALLENGE = re.compile(r'(\w+)="([^"]*)"')
 # What a token may be: it goes into a header line, so nothing that could end one.
 _TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{1,16384}\Z")
+# A tag list's next page (distribution's Link header); anything else ends the list.
+_NEXT_PAGE = re.compile(
+    r'<(/v2/[A-Za-z0-9._/-]+/tags/list\?[A-Za-z0-9._%=&-]{1,512})>;\s*rel="next"\Z'
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,7 +298,7 @@ class RegistryClient:
         )
         with resp:
             if resp.status_code == 404:
-                raise RegistryError(f"{self.host}/{repository}:{version}: not found")
+                raise ImageNotFound(f"{self.host}/{repository}:{version}: not found")
             if resp.status_code != 200:
                 raise RegistryError(
                     f"{self.host}/{repository}: manifest request failed ({resp.status_code})"
@@ -315,6 +320,36 @@ class RegistryClient:
             raise VerificationError(f"{self.host}/{repository}: manifest is not an object")
         media = body.get("mediaType") or resp.headers.get("Content-Type", "")
         return Manifest(digest, str(media), raw, body)
+
+    def tags(self, repository: str, *, pages: int = 5, per_page: int = 1000) -> list[str]:
+        """The repository's tags (``/v2/<name>/tags/list``, following its ``Link``
+        pages on this registry): at most ``pages`` requests of ``per_page`` tags, so
+        a repository of a million tags costs what five pages cost.  ImageNotFound
+        when the registry knows no such repository (for these credentials)."""
+        out: list[str] = []
+        path = f"/{repository}/tags/list?n={per_page}"
+        for _ in range(pages):
+            resp = self._send("GET", self._base + path, f"repository:{repository}:pull")
+            with resp:
+                if resp.status_code == 404:
+                    raise ImageNotFound(f"{self.host}/{repository}: no such repository")
+                if resp.status_code != 200:
+                    raise RegistryError(
+                        f"{self.host}/{repository}: tag list request failed ({resp.status_code})"
+                    )
+                raw = _read_capped(resp, MAX_MANIFEST, "tag list")
+                link = resp.headers.get("Link", "")
+            try:
+                listed = json.loads(raw).get("tags") or []
+            except (ValueError, AttributeError):
+                raise RegistryError(f"{self.host}/{repository}: tag list is not JSON") from None
+            out += [t for t in listed if isinstance(t, str)]
+            # Link: </v2/<name>/tags/list?n=..&last=..>; rel="next", on this registry
+            m = _NEXT_PAGE.match(link)
+            if not m or not m.group(1).startswith(f"/v2/{repository}/tags/list?"):
+                break
+            path = m.group(1).removeprefix("/v2")
+        return out
 
     def _get_blob(self, repository: str, digest: str, byte_range: str) -> Response:
         return self._send(

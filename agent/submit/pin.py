@@ -16,8 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tfimage.agent.config import Config
-from tfimage.agent.errors import ImageReferenceError, RegistryError, RegistryUnreachable
+from tfimage.agent.errors import (
+    ImageNotFound,
+    ImageReferenceError,
+    RegistryError,
+    RegistryUnreachable,
+)
 from tfimage.agent.reference import Reference
+from tfimage.agent.submit import suggest
 from tfimage.agent.submit.lastseen import LastSeen
 
 if TYPE_CHECKING:
@@ -35,8 +41,11 @@ def _first_answer(
     """The tag's digest from the first of the registry and its mirrors that answers."""
     last: RegistryUnreachable | None = None
     for host in cfg.sources(ref):
+        client = client_factory(host)
         try:
-            return client_factory(host).manifest(ref.repository, ref.version).digest
+            return client.manifest(ref.repository, ref.version).digest
+        except ImageNotFound:
+            raise suggest.not_found(client, ref) from None
         except RegistryUnreachable as e:
             last = e
     assert last is not None
