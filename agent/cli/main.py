@@ -277,6 +277,10 @@ def build_parser(daemon: Handler | None = None) -> argparse.ArgumentParser:
 
     register_usage(sub)
 
+    from tfimage.agent.cli.convertscript import register as register_convert
+
+    register_convert(sub)
+
     from tfimage.agent.cli.plugin import register as register_plugin
 
     register_plugin(sub)

@@ -4,10 +4,13 @@ in one line, before anything is queued."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
-from conftest import Cluster
+from conftest import Cluster, site_registry, write_script
+
+from support import push_oci_image
 
 pytestmark = pytest.mark.cluster
 
@@ -38,3 +41,37 @@ def test_a_docker_hub_image_the_proxy_does_not_hold_says_where_it_was_looked_for
     )
     assert wanted in err, err
 
+
+def test_a_converted_singularity_script_runs_as_a_tfimage_job(
+    cluster: Cluster, workdir: Path, tmp_path: Path
+) -> None:
+    # The guide's script, on this cluster: its image from "Docker Hub" (the site's
+    # dockerhub proxy project), its data bound from the user's home.
+    reg = site_registry(cluster)
+    name = f"guide{os.getpid()}"
+    push_oci_image(reg, tmp_path, f"dockerhub/library/{name}")
+    (workdir / "ds").mkdir()
+    (workdir / "ds" / "x.txt").write_text("the data\n")
+    write_script(workdir, "job.sh", (
+        "#!/bin/sh\n"
+        "#SBATCH --job-name=tensorflow_train\n"
+        "#SBATCH --output=train_%j.out\n"
+        "#SBATCH --nodes=1\n"
+        "#SBATCH --ntasks=1\n"
+        "#SBATCH --time=00:05:00\n"
+        "module load singularity/3.8\n"
+        "singularity exec \\\n"
+        "  --nv \\\n"
+        f"  --bind {workdir}/ds:/dataset \\\n"
+        f"  docker://{name}:1 \\\n"
+        "  sh -c 'cat /etc/tfimage-test-image /dataset/x.txt'\n"
+    ), cluster.user)  # fmt: skip
+    r = cluster.run(["tfimage", "convert-script", "--write", "job.sh"], cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    converted = (workdir / "job.sh").read_text()
+    assert f"#SBATCH --tf-image=docker://{name}:1\n" in converted, converted
+    assert f"#SBATCH --tf-mount={workdir}/ds:/dataset\n" in converted, converted
+    r = cluster.run(["sbatch", "--wait", "--parsable", "job.sh"], cwd=workdir, timeout=300)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    assert (workdir / f"train_{job}.out").read_text() == "oci-marker\nthe data\n"
