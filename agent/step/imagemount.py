@@ -327,22 +327,33 @@ def release_job(state_dir: str, job_id: str) -> list[str]:
 def release_images(state_dir: str, in_use: Callable[[str], bool]) -> list[str]:
     """Unmount every shared image mount whose image no running job uses any more
     (``in_use(digest)``, asked under the image's lock).  Returns the mount points
-    that were busy all the same (detached lazily: a process left in the image)."""
+    that were busy all the same (detached lazily: a process left in the image).
+    An image whose lock another holds (a job mounting it, or one stuck on a hung
+    FUSE process) is left to the next epilog: an epilog never waits on it."""
     base = Path(state_dir) / "images"
     with open("/proc/self/mountinfo") as f:
         targets = sorted({Path(t) for line in f if (t := line.split()[4]).startswith(f"{base}/")})
     stuck = []
     for target in targets:
-        if target.parent != base or not _DIGEST.fullmatch(f"sha256:{target.name[7:]}"):
+        digest = f"sha256:{target.name.removeprefix('sha256-')}"
+        if target.parent != base or not target.name.startswith("sha256-"):
             continue
-        with held(Path(f"{target}.lock")):
-            if in_use(f"sha256:{target.name[7:]}") or not mounted(target):
-                continue
-            try:
-                toolrun.run(["umount", str(target)], timeout=MOUNT_TIMEOUT, what="unmounting")
-            except RuntimeSetupError:
-                stuck.append(str(target))
-                _unmount(target)
-            with contextlib.suppress(OSError):
-                target.rmdir()
+        if not _DIGEST.fullmatch(digest):
+            continue
+        try:
+            with held(Path(f"{target}.lock"), blocking=False):
+                if in_use(digest) or not mounted(target):
+                    continue
+                try:
+                    toolrun.run(["umount", str(target)], timeout=MOUNT_TIMEOUT, what="unmounting")
+                except RuntimeSetupError:
+                    stuck.append(str(target))
+                    _unmount(target)
+                with contextlib.suppress(OSError):
+                    target.rmdir()
+        except BlockingIOError:
+            log.info("image mount %s: in use by a job starting; left to the next epilog", target)
+        except Exception as e:  # one image's trouble never keeps the others mounted
+            log.error("image mount %s: %s", target, e)
+            stuck.append(str(target))
     return stuck

@@ -16,6 +16,7 @@ import pytest
 
 from support import add_privileges, build_sif, need
 from tfimage.agent.errors import RuntimeSetupError
+from tfimage.agent.fsutil import held
 from tfimage.agent.step import imagemount
 
 
@@ -102,6 +103,25 @@ def test_a_step_reads_its_image_even_if_the_shared_mount_went_under_it(
         assert imagemount.release_job(str(state), "44") == []
         imagemount.release_images(str(state), lambda d: False)
     assert _mounts_under(state) == []
+
+
+def test_an_epilog_never_waits_on_an_image_another_process_holds(
+    root_with_fuse: None, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    # A job mounting it, or one stuck on a hung FUSE process, holds the image's lock:
+    # the sweep leaves that image to the next epilog instead of hanging the node.
+    sif = make_sif({"etc/marker": "held\n"})
+    state = tmp_path / "state"
+    img = imagemount.mount_image(str(state), "48", sif, "sha256:" + "b" * 64)
+    try:
+        with held(Path(f"{img}.lock")):
+            started = time.monotonic()
+            assert imagemount.release_images(str(state), lambda d: False) == []
+            assert time.monotonic() - started < 5 and imagemount.mounted(img)
+        assert imagemount.release_images(str(state), lambda d: False) == []
+        assert not imagemount.mounted(img)
+    finally:
+        imagemount.release_images(str(state), lambda d: False)
 
 
 def test_a_fuse_mount_whose_process_died_is_mounted_again(
