@@ -17,6 +17,7 @@ from typing import Any
 from tfimage.agent.errors import ConfigError, ImageReferenceError
 from tfimage.agent.gpuconfig import GpuPolicy, gpu_policy
 from tfimage.agent.reference import (
+    DOCKER_HUB,
     Reference,
     check_allowed,
     check_rewrite,
@@ -277,6 +278,7 @@ def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Conf
         raise ConfigError(f"{path}: runtime must be one of {', '.join(RUNTIMES)}")
     if not 0 < cfg.cache_low_watermark <= cfg.cache_high_watermark <= 100:
         raise ConfigError(f"{path}: watermarks need 0 < low <= high <= 100")
+    _check_upstreams(cfg, path)
     for key in ("cache_dir", "state_dir", "hook_log", "ib_sysfs"):
         if not str(getattr(cfg, key)).startswith("/"):
             raise ConfigError(f"{path}: '{key}' must be an absolute path")
@@ -285,6 +287,33 @@ def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Conf
         if value is None or (value and not value.startswith("/")):
             raise ConfigError(f"{path}: '{key}' must be an absolute path, or \"\" for none")
     return cfg
+
+
+def _check_upstreams(cfg: Config, path: Path) -> None:
+    """A rewrite never leads to another (a pinned name is parsed again on the node and
+    must map to itself), and the kernel's squashfs is never trusted with what the
+    site's registry only proxies: anyone may push to Docker Hub or ghcr.io."""
+    upstreams = [*DOCKER_HUB, *cfg.registry_rewrites]
+    for site in cfg.registry_rewrites.values():
+        if any(site == u or site.startswith(f"{u}/") for u in upstreams):
+            raise ConfigError(f"{path}: 'registry_rewrites': {site!r} is itself rewritten")
+    proxied = [cfg.dockerhub_project] if cfg.dockerhub_project else []
+    proxied += [
+        site.partition("/")[2]
+        for site in cfg.registry_rewrites.values()
+        if site.partition("/")[0] in (cfg.registry, *cfg.mirrors)
+    ]
+    for glob in cfg.image_mount_kernel:
+        parts = glob.split("/")
+        for project in proxied:
+            under = project.split("/")
+            if len(parts) > len(under) and all(
+                _segment_glob(g).match(u) for g, u in zip(parts, under, strict=False)
+            ):
+                raise ConfigError(
+                    f"{path}: 'image_mount_kernel': {glob!r} would trust {project}/, which "
+                    "the registry only proxies from upstream: list the site's own projects"
+                )
 
 
 def compiled_path(path: Path) -> Path:

@@ -198,6 +198,10 @@ def _rewritten(
     return target[0], [*target[1:], *full[len(prefix) :]]
 
 
+def is_tag(text: str) -> bool:
+    return bool(_TAG.match(text))
+
+
 def is_repository_path(text: str) -> bool:
     """``project[/path]``: components as a repository's, e.g. a Harbor project."""
     return all(_COMPONENT.match(p) for p in text.split("/"))

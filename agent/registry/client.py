@@ -27,6 +27,7 @@ from tfimage.agent.errors import (
     VerificationError,
 )
 from tfimage.agent.logtext import oneline
+from tfimage.agent.reference import is_tag
 from tfimage.agent.registry.credentials import Credential
 from tfimage.agent.registry.transport import (
     RedirectRefused,
@@ -343,7 +344,10 @@ class RegistryClient:
                 listed = json.loads(raw).get("tags") or []
             except (ValueError, AttributeError):
                 raise RegistryError(f"{self.host}/{repository}: tag list is not JSON") from None
-            out += [t for t in listed if isinstance(t, str)]
+            if not isinstance(listed, list):
+                raise RegistryError(f"{self.host}/{repository}: tag list is not a list")
+            # What reaches a user's terminal: real tags only, and a bounded number.
+            out += [t for t in listed[:per_page] if isinstance(t, str) and is_tag(t)]
             # Link: </v2/<name>/tags/list?n=..&last=..>; rel="next", on this registry
             m = _NEXT_PAGE.match(link)
             if not m or not m.group(1).startswith(f"/v2/{repository}/tags/list?"):

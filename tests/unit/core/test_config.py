@@ -38,6 +38,16 @@ def test_defaults_and_allowlist(tmp_path: Path) -> None:
         ("dockerhub_project: Docker Hub\n", "project name"),
         ("registry_rewrites: [nvcr.io]\n", "map upstream prefixes"),
         ("registry_rewrites: {nvcr.io: harbor.site}\n", "host/project"),
+        ("registry_rewrites: {nvcr.io: docker.io/nv}\n", "'docker.io/nv' is itself rewritten"),
+        (
+            "registry: r.site\ndockerhub_project: hub\nimage_mount_kernel: ['*/tf-*']\n",
+            "would trust hub/, which the registry only proxies",
+        ),
+        (
+            "registry: r.site\nregistry_rewrites: {ghcr.io: r.site/gh}\n"
+            "image_mount_kernel: [library/tf-*, gh/*]\n",
+            "would trust gh/",
+        ),
     ],
 )
 def test_bad_config_is_one_clear_line(tmp_path: Path, text: str, why: str) -> None:

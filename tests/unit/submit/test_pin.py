@@ -127,6 +127,10 @@ def test_a_tag_list_is_followed_page_by_page_on_its_own_registry_and_no_further(
             s.b.seen.clear()
             s.b.tag_pages = [(["a", "b"], link), (["c"], None)]
             assert client.tags("x/y") == ["a", "b"], link
+        # What reaches the user's terminal is a real tag, nothing else.
+        s.b.seen.clear()
+        s.b.tag_pages = [(["ok", "bad\x1b[2J", "x" * 200, 7, "v1.0"], None)]  # type: ignore[list-item]
+        assert client.tags("x/y") == ["ok", "v1.0"]
         # A registry that never stops: five requests, then what they gave.
         s.b.seen.clear()
         s.b.tag_pages = [([f"t{i}"], _next("x/y", f"t{i}")) for i in range(50)]
