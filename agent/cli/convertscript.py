@@ -34,25 +34,26 @@ def _read_file(path: Path) -> bytes:
         return f.read(MAX_SCRIPT + 1)
 
 
-def _backup(path: Path) -> Path:
-    """FILE.bak, or FILE.bak.N when that exists: an earlier backup is never lost."""
-    candidate = path.with_name(path.name + ".bak")
-    n = 1
-    while candidate.exists():
-        candidate = path.with_name(f"{path.name}.bak.{n}")
-        n += 1
-    return candidate
-
-
 def _write(path: Path, text: str) -> Path:
+    """Replace ``path`` with ``text`` (same mode), keeping the original as FILE.bak, or
+    FILE.bak.N when that exists: an earlier backup is never lost."""
     real = Path(os.path.realpath(path))
-    backup = _backup(real)
     mode = real.stat().st_mode & 0o7777
     tmp = real.with_name(f".{real.name}.tfimage-{os.getpid()}")
     try:
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(fd, "w", encoding="utf-8") as f:
+            os.fchmod(fd, mode)  # the umask has no say: the script keeps its own mode
             f.write(text)
-        os.link(real, backup)
+        for n in range(1000):
+            backup = real.with_name(real.name + (f".bak.{n}" if n else ".bak"))
+            try:
+                os.link(real, backup)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise InputError(f"convert-script: {path}: 1000 backups already: remove some")
         os.replace(tmp, real)
     finally:
         tmp.unlink(missing_ok=True)

@@ -42,6 +42,7 @@ def test_the_guides_script_becomes_an_ordinary_tfimage_job() -> None:
     assert got.text == head + (
         "#SBATCH --tf-image=docker://tensorflow/tensorflow:latest-gpu-jupyter\n"
         "#SBATCH --tf-mount=/data:/mnt\n"
+        "#SBATCH --tf-batch=container\n"
         "# module load singularity/3.8  # tfimage: not needed with --tf-image\n"
         "python /mnt/train_model.py\n"
     )
@@ -61,8 +62,9 @@ def _converted_line(text: str) -> list[str]:
     ("body", "header", "image", "mounts", "line"),
     [
         # apptainer, several binds in one flag and in several, ro kept, dst defaulted
-        ("apptainer exec -B /data:/mnt,/scratch/u -B /home/u/ds:/ds:ro img:1 python t.py\n",
-         "", "img:1", "/data:/mnt,/scratch/u:/scratch/u,/home/u/ds:/ds:ro", "python t.py"),
+        ("apptainer exec -B /data:/mnt,/scratch/u -B /home/u/ds:/ds:ro docker://img:1 "
+         "python t.py\n",
+         "", "docker://img:1", "/data:/mnt,/scratch/u:/scratch/u,/home/u/ds:/ds:ro", "python t.py"),
         # --bind=, --env with two values, the command's own quoting and variables kept
         ("singularity exec --bind=/data:/d --env A=1,B='x y' docker://py:3 "
          "python -c 'print(1)' \"$X\"\n",
@@ -71,16 +73,16 @@ def _converted_line(text: str) -> list[str]:
         ("srun -n 4 singularity exec --nv --pwd /work oras://reg.site/ml/tf:2 python train.py\n",
          "#SBATCH --ntasks=4\n", "oras://reg.site/ml/tf:2", None,
          "srun -n 4 sh -c 'cd /work && exec \"$0\" \"$@\"' python train.py"),
-        # a multi-task job's batch script runs on the host: the exec becomes one task
-        ("singularity exec tf.example.org/ml/tf:2 python prep.py\n", "#SBATCH --ntasks=8\n",
-         "tf.example.org/ml/tf:2", None, "srun --ntasks=1 --nodes=1 python prep.py"),
+        # a bare exec in a job of 8 tasks: still once, in the image (--tf-batch=container)
+        ("singularity exec docker://tf.example.org/ml/tf:2 python prep.py\n", "#SBATCH -n 8\n",
+         "docker://tf.example.org/ml/tf:2", None, "python prep.py"),
         # apptainer run with a command is an exec of it; a full path to the runtime
         ("/usr/bin/apptainer run --nv docker://nvcr.io/nvidia/tensorflow:24.01-tf2-py3 "
          "python x.py\n",
          "", "docker://nvcr.io/nvidia/tensorflow:24.01-tf2-py3", None, "python x.py"),
         # time in front, and a pipeline after: both kept as written
-        ("time singularity exec img:2 python t.py | tee log.txt\n", "", "img:2", None,
-         "time python t.py | tee log.txt"),
+        ("time singularity exec oras://img:2 python t.py | tee log.txt\n", "", "oras://img:2",
+         None, "time python t.py | tee log.txt"),
     ],
 )  # fmt: skip
 def test_real_world_exec_lines_convert(
@@ -98,7 +100,7 @@ def test_real_world_exec_lines_convert(
 
 
 def test_cleanenv_goes_with_a_comment_saying_what_the_task_keeps() -> None:
-    got = convert(_script("singularity exec --cleanenv img:1 python t.py\n"))
+    got = convert(_script("singularity exec --cleanenv docker://img:1 python t.py\n"))
     assert got.problems == []
     assert _converted_line(got.text) == [
         f"{MARK} --cleanenv dropped: a task keeps the job's environment",
@@ -107,28 +109,43 @@ def test_cleanenv_goes_with_a_comment_saying_what_the_task_keeps() -> None:
 
 
 def test_the_same_image_twice_is_one_tf_image_and_both_lines_convert() -> None:
-    twice = "singularity exec img:1 python a.py\nsingularity exec img:1 python b.py\n"
+    twice = "singularity exec docker://i:1 python a.py\nsingularity exec docker://i:1 python b.py\n"
     got = convert(_script(twice))
-    assert got.changed == 2 and got.text.count("#SBATCH --tf-image=img:1\n") == 1
+    assert got.changed == 2 and got.text.count("#SBATCH --tf-image=docker://i:1\n") == 1
     assert _converted_line(got.text) == ["python a.py", "python b.py"]
 
 
 @pytest.mark.parametrize(
     ("body", "why"),
     [
-        ("singularity exec a:1 python a.py\nsingularity exec b:1 python b.py\n",
-         "several images in one script (a:1, b:1)"),
+        ("singularity exec docker://a:1 python a.py\nsingularity exec docker://b:1 python b.py\n",
+         "several images in one script (docker://a:1, docker://b:1)"),
+        ("singularity exec docker://a:1 python a.py\n"
+         "srun singularity exec docker://a:1 python b.py\n",
+         "bare and srun exec lines in one script"),
         ('singularity exec "$IMG" python a.py\n', "the image is a shell variable"),
         ("singularity exec ${IMG} python a.py\n", "the image is a shell variable"),
-        ("for s in 1 2; do\n  singularity exec img:1 python a.py $s\ndone\n",
+        ("for s in 1 2; do\n  singularity exec docker://i:1 python a.py $s\ndone\n",
+         "an exec inside a loop"),
+        ("while read s; do\n  echo done\n  singularity exec docker://i:1 python a.py $s\ndone\n",
          "an exec inside a loop"),
         ("singularity exec /data/images/tf.sif python a.py\n",
-         "/data/images/tf.sif is a local file: push it (tfimage push /data/images/tf.sif"),
+         "/data/images/tf.sif is a local image: push it (tfimage push /data/images/tf.sif"),
+        ("singularity exec ubuntu_latest python a.py\n", "ubuntu_latest is a local image"),
+        ('singularity exec --env "PATH=/x:$PATH" docker://i:1 python a.py\n',
+         "--env \"PATH=/x:$PATH\" uses the shell"),
+        ("singularity exec -B ~/d:/m docker://i:1 python a.py\n", "-B ~/d:/m uses the shell"),
+        ("singularity exec --pwd $PWD docker://i:1 python a.py\n", "--pwd $PWD uses the shell"),
+        ("singularity exec -B data:/data docker://i:1 python a.py\n", "is not absolute"),
+        ("mpirun -np 4 singularity exec docker://i:1 python a.py\n", "mpirun in front"),
+        ('x="$(singularity exec docker://i:1 cat /v)"\n', "an exec it cannot read here"),
+        ("singularity exec docker://i:1 true && singularity exec docker://i:1 false\n",
+         "a second exec on the line"),
         ("apptainer run docker://tensorflow/tensorflow:2.16.1\n",
          "run without a command runs the image's runscript"),
-        ("singularity exec --writable-tmpfs img:1 python a.py\n",
+        ("singularity exec --writable-tmpfs docker://i:1 python a.py\n",
          "--writable-tmpfs has no tfimage equivalent"),
-        ("singularity exec -B /a:/m -B /b:/m img:1 python a.py\n", "two binds onto /m"),
+        ("singularity exec -B /a:/m -B /b:/m docker://i:1 python a.py\n", "two binds onto /m"),
         ("singularity exec library://alpine:3 sh\n", "library:// images are not served"),
     ],
 )  # fmt: skip
@@ -145,8 +162,27 @@ def test_what_cannot_be_converted_is_left_as_is_saying_why(body: str, why: str) 
 
 
 def test_a_script_without_sbatch_lines_gets_the_header_after_its_shebang() -> None:
-    got = convert("#!/bin/bash\nsingularity exec img:1 true")  # no final newline either
-    assert got.text == "#!/bin/bash\n#SBATCH --tf-image=img:1\ntrue\n"
+    got = convert("#!/bin/bash\nsingularity exec docker://i:1 true")  # no final newline either
+    assert got.text == (
+        "#!/bin/bash\n#SBATCH --tf-image=docker://i:1\n#SBATCH --tf-batch=container\ntrue\n"
+    )
+
+
+def test_the_header_goes_where_sbatch_still_reads_it() -> None:
+    # sbatch stops at the first command: an #SBATCH line after it is a comment.
+    text = (
+        "#!/bin/sh\n#SBATCH -n 1\n\n# data\necho hi\n#SBATCH -t 5\n"
+        "singularity exec docker://i:1 x\n"
+    )
+    got = convert(text)
+    assert got.text.startswith("#!/bin/sh\n#SBATCH -n 1\n#SBATCH --tf-image=docker://i:1\n")
+
+
+def test_srun_lines_keep_the_batch_script_on_the_host() -> None:
+    got = convert(_script("srun -n 2 singularity exec docker://i:1 python a.py\n"))
+    assert "#SBATCH --tf-batch=host\n" in got.text and _converted_line(got.text) == [
+        "srun -n 2 python a.py"
+    ]
 
 
 @given(st.lists(st.text(alphabet=st.characters(blacklist_characters="\r\x0b\x0c\x1c\x1d\x1e"
