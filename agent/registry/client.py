@@ -297,19 +297,8 @@ class RegistryClient:
             scope,
             headers={"Accept": MANIFEST_ACCEPT},
         )
-        with resp:
-            if resp.status_code == 404:
-                raise ImageNotFound(f"{self.host}/{repository}:{version}: not found")
-            if resp.status_code != 200:
-                raise RegistryError(
-                    f"{self.host}/{repository}: manifest request failed ({resp.status_code})"
-                )
-            try:
-                raw = _read_capped(resp, MAX_MANIFEST, "manifest")
-            except TransportError as e:
-                raise RegistryUnreachable(
-                    f"{self.host}: manifest read broke off: {_short(e)}"
-                ) from None
+        missing = f"{self.host}/{repository}:{version}: not found"
+        raw = self._small_answer(resp, repository, "manifest", missing)
         digest = sha256_digest(raw)
         if version.startswith("sha256:") and digest != version:
             raise VerificationError(f"{self.host}/{repository}: manifest digest mismatch")
@@ -322,6 +311,23 @@ class RegistryClient:
         media = body.get("mediaType") or resp.headers.get("Content-Type", "")
         return Manifest(digest, str(media), raw, body)
 
+    def _small_answer(self, resp: Response, repository: str, what: str, missing: str) -> bytes:
+        """A manifest's or a tag list's body, bounded; a 404 is ImageNotFound(missing),
+        a read that broke off RegistryUnreachable."""
+        with resp:
+            if resp.status_code == 404:
+                raise ImageNotFound(missing)
+            if resp.status_code != 200:
+                raise RegistryError(
+                    f"{self.host}/{repository}: {what} request failed ({resp.status_code})"
+                )
+            try:
+                return _read_capped(resp, MAX_MANIFEST, what)
+            except TransportError as e:
+                raise RegistryUnreachable(
+                    f"{self.host}: {what} read broke off: {_short(e)}"
+                ) from None
+
     def tags(self, repository: str, *, pages: int = 5, per_page: int = 1000) -> list[str]:
         """The repository's tags (``/v2/<name>/tags/list``, following its ``Link``
         pages on this registry): at most ``pages`` requests of ``per_page`` tags, so
@@ -331,15 +337,9 @@ class RegistryClient:
         path = f"/{repository}/tags/list?n={per_page}"
         for _ in range(pages):
             resp = self._send("GET", self._base + path, f"repository:{repository}:pull")
-            with resp:
-                if resp.status_code == 404:
-                    raise ImageNotFound(f"{self.host}/{repository}: no such repository")
-                if resp.status_code != 200:
-                    raise RegistryError(
-                        f"{self.host}/{repository}: tag list request failed ({resp.status_code})"
-                    )
-                raw = _read_capped(resp, MAX_MANIFEST, "tag list")
-                link = resp.headers.get("Link", "")
+            link = resp.headers.get("Link", "")
+            missing = f"{self.host}/{repository}: no such repository"
+            raw = self._small_answer(resp, repository, "tag list", missing)
             try:
                 listed = json.loads(raw).get("tags") or []
             except (ValueError, AttributeError):
