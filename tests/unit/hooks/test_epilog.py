@@ -94,6 +94,21 @@ def test_the_epilog_twice_after_a_whole_job_leaves_nothing_and_records_it_once(
     assert 'tfimage_cache_misses_total{repository="library/usagey"} 1' in prom
 
 
+def test_the_first_of_two_jobs_leaves_their_shared_image_mounted_for_the_second(
+    registry: Registry, cached_image: str, tmp_path: Path
+) -> None:
+    cfg = registry.write_site(tmp_path, hook_log=str(tmp_path / "hooks.log"))
+    state = tmp_path / "state"
+    for job in ("35", "36"):
+        assert prolog([f"--config={cfg}", f"--job={job}", f"--image={cached_image}"]) == 0
+    (image,) = [m for m in _mounts_under(state) if "/images/sha256-" in m]  # one, shared
+    assert epilog([f"--config={cfg}", "--job=35", f"--image={cached_image}", *SLURM]) == 0
+    assert _mounts_under(state) == [image]  # job 36 still holds it
+    assert any("holder 36" in t for t in _job_traces(tmp_path, "36"))
+    assert epilog([f"--config={cfg}", "--job=36", f"--image={cached_image}", *SLURM]) == 0
+    assert _mounts_under(state) == [] and _job_traces(tmp_path, "36") == []
+
+
 def test_after_a_prolog_killed_halfway_the_epilog_leaves_nothing_and_says_why(
     tls: Path, tmp_path: Path
 ) -> None:
