@@ -193,6 +193,17 @@ def _unmount(target: Path) -> None:
                     what="unmounting a dead image mount")  # fmt: skip
 
 
+def _take_off(target: str, what: str) -> bool:
+    """Unmount ``target``; a busy one is detached lazily instead, so that nothing
+    waits on it.  False when it was busy (a failed lazy detach raises)."""
+    try:
+        toolrun.run(["umount", target], timeout=MOUNT_TIMEOUT, what=what)
+        return True
+    except RuntimeSetupError:
+        toolrun.run(["umount", "-l", target], timeout=MOUNT_TIMEOUT, what=what)
+        return False
+
+
 def _mount(state_dir: str, target: Path, sif: Path, drivers: Sequence[str]) -> Path:
     _mkdirs(Path(state_dir), target)
     with sif.open("rb") as f:
@@ -209,9 +220,7 @@ def _mount(state_dir: str, target: Path, sif: Path, drivers: Sequence[str]) -> P
                         what=f"mounting the image ({driver})")  # fmt: skip
             return target
         except RuntimeSetupError as e:
-            if mounted(target):  # it mounted, then failed (a timeout): not trusted
-                toolrun.run(["umount", "-l", str(target)], timeout=MOUNT_TIMEOUT,
-                            what="unmounting a failed mount")  # fmt: skip
+            _unmount(target)  # it mounted, then failed (a timeout): not trusted
             last = e
             if driver != drivers[-1]:
                 log.warning("image mount: %s: %s; trying the next driver", driver, e)
@@ -262,10 +271,7 @@ def step_root(
         ):
             return root
         # A task found its working directory missing: rebuild before it enters.
-        try:
-            toolrun.run(["umount", str(root)], timeout=MOUNT_TIMEOUT, what="remounting")
-        except RuntimeSetupError:
-            toolrun.run(["umount", "-l", str(root)], timeout=MOUNT_TIMEOUT, what="remounting")
+        _take_off(str(root), "remounting")
     _mkdirs(Path(state_dir), base, TRAVERSE_ONLY)
     for p in wanted:
         _mkdirs(Path(state_dir), skel / p)
@@ -311,11 +317,10 @@ def release_job(state_dir: str, job_id: str) -> list[str]:
     stuck = []
     for target in sorted(targets, key=len, reverse=True):
         try:
-            toolrun.run(["umount", target], timeout=MOUNT_TIMEOUT, what="unmounting")
+            if not _take_off(target, "unmounting"):
+                stuck.append(target)
         except RuntimeSetupError:
             stuck.append(target)
-            with contextlib.suppress(RuntimeSetupError):
-                toolrun.run(["umount", "-l", target], timeout=MOUNT_TIMEOUT, what="unmounting")
     if base.exists() and not any(mounted(Path(t)) for t in targets):
         shutil.rmtree(base, ignore_errors=True)
     for leftover in (f"{base}.lock", f"{base}.images.json"):
@@ -344,11 +349,8 @@ def release_images(state_dir: str, in_use: Callable[[str], bool]) -> list[str]:
             with held(Path(f"{target}.lock"), blocking=False):
                 if in_use(digest) or not mounted(target):
                     continue
-                try:
-                    toolrun.run(["umount", str(target)], timeout=MOUNT_TIMEOUT, what="unmounting")
-                except RuntimeSetupError:
+                if not _take_off(str(target), "unmounting"):
                     stuck.append(str(target))
-                    _unmount(target)
                 with contextlib.suppress(OSError):
                     target.rmdir()
         except BlockingIOError:
