@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import pwd
+import re
 import statistics
 import subprocess
 import sys
@@ -127,6 +128,8 @@ def launch(env: dict[str, str], runs: int) -> None:
             user,
         ),
     ]
+    logs = Path(env.get("TFIMAGE_LOCAL_STATE", "/var/lib/tfimage-local")) / "log"
+    seen = {p: p.stat().st_size for p in logs.glob("daemon-*.log")}
     # Interleave the two srun variants so drift on a noisy machine hits both alike.
     samples: dict[str, list[float]] = {name: [] for name, _, _ in order}
     for _ in range(runs):
@@ -141,6 +144,46 @@ def launch(env: dict[str, str], runs: int) -> None:
         f"\nlaunch: --tf-image adds {tf - base:+.1f} ms per step "
         f"({tf / base:.2f}x the plain step); goal <= +50 ms -> "
         f"{'MET' if tf - base <= 50 else 'NOT MET'}"
+    )
+    where(seen, tf - base)
+
+
+_DAEMON_LINE = re.compile(
+    r"tfimage: daemon: (pin) uid \d+ -> 0 in (\d+) ms"
+    r"|tfimage: daemon: (tfimage-prolog|step-prepare) job (\d+)(?: step \d+)? -> 0 in (\d+) ms"
+)
+
+
+def where(seen: dict[Path, int], added: float) -> None:
+    """Where the added time goes, from the daemons' own logs of these rounds: the
+    pin (login node), the prolog and the step's preparation (the slower node of
+    each job, as the step waits for both).  Each is the worker's own time, from
+    its request read to its answer."""
+    pins: list[float] = []
+    per_job: dict[tuple[str, str], float] = {}
+    for path, size in seen.items():
+        with path.open() as f:
+            f.seek(size)
+            for m in _DAEMON_LINE.finditer(f.read()):
+                if m.group(1):
+                    pins.append(float(m.group(2)))
+                else:
+                    key = (m.group(3), m.group(4))
+                    per_job[key] = max(per_job.get(key, 0.0), float(m.group(5)))
+    phases = {
+        "pin": pins,
+        "prolog": [v for (k, _), v in per_job.items() if k == "tfimage-prolog"],
+        "step preparation": [v for (k, _), v in per_job.items() if k == "step-prepare"],
+    }
+    if not all(phases.values()):
+        print("launch: where it goes: no daemon log lines for these rounds")
+        return
+    med = {k: statistics.median(v) for k, v in phases.items()}
+    text = ", ".join(f"{k} {v:.0f} ms" for k, v in med.items())
+    print(
+        f"launch: where it goes (the daemons' logs, medians; the slower node): {text}; "
+        f"the other {added - sum(med.values()):.0f} ms: forking the daemons' workers, the "
+        "hooks' and the plugin's sockets, ch-run, Slurm"
     )
 
 
