@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SETTLE = 0.3  # seconds between a job's end and the next srun (launch)
 
 
 def cluster_env() -> dict[str, str]:
@@ -134,6 +135,11 @@ def launch(env: dict[str, str], runs: int) -> None:
     samples: dict[str, list[float]] = {name: [] for name, _, _ in order}
     for _ in range(runs):
         for name, argv, who in order:
+            if argv[0] == "srun":
+                # Each srun starts on settled nodes: the job before it (a plain one
+                # before every --tf-image one) is still in its epilog and Slurm's
+                # cleanup for ~100 ms after srun returns, on the same two cores.
+                time.sleep(SETTLE)
             samples[name] += timed(argv, env, 1, who, cwd if who else None)
     for name, vals in samples.items():
         results[name] = statistics.median(vals)
