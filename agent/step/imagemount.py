@@ -42,6 +42,7 @@ home, batch script directory) without ever touching the user's paths as root.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import os
@@ -288,20 +289,26 @@ def step_root(
             os.fchmod(f.fileno(), 0o755)
             f.write(text)
     _mkdirs(Path(state_dir), root)
-    toolrun.run(
-        [
-            "mount",
-            "-t",
-            "overlay",
-            "overlay",
-            "-o",
-            f"{MOUNT_FLAGS},lowerdir={skel}:{image}",
-            str(root),
-        ],
-        timeout=MOUNT_TIMEOUT,
-        what="preparing the container root",
-    )
+    _mount_overlay(f"lowerdir={skel}:{image}", root)
     return root
+
+
+# mount(2)'s flags for MOUNT_FLAGS (<sys/mount.h>)
+MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
+
+
+def _mount_overlay(options: str, target: Path) -> None:
+    """mount(2) the step's overlay, ``MOUNT_FLAGS`` as flags: no mount(8) to start
+    on each node's share of a step's launch (~3 ms of the ~13 ms preparation here).
+    The worker that calls it has its own deadline (the daemon kills it, or the
+    plugin stops waiting), as mount(8) had MOUNT_TIMEOUT."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    mount = libc.mount
+    mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+    flags = MS_RDONLY | MS_NOSUID | MS_NODEV
+    if mount(b"overlay", os.fsencode(target), b"overlay", flags, options.encode()) != 0:
+        e = ctypes.get_errno()
+        raise RuntimeSetupError(f"preparing the container root: overlay: {os.strerror(e)}")
 
 
 def release_job(state_dir: str, job_id: str) -> list[str]:

@@ -226,6 +226,18 @@ def test_skeleton_refuses_symlinks_on_the_way(root_with_fuse: None, tmp_path: Pa
     assert not (outside / "home").exists()  # nothing created through the link
 
 
+def test_an_overlay_that_cannot_be_mounted_is_one_line_and_mounts_nothing(
+    root_with_fuse: None, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    with pytest.raises(RuntimeSetupError) as e:
+        imagemount.step_root(str(state), "7", "0", tmp_path / "no-such-image", ["/home/u"])
+    assert str(e.value) == "preparing the container root: overlay: No such file or directory"
+    root = state / "jobs" / "7" / "step-0" / "root"
+    assert root.is_dir() and not imagemount.mounted(root)
+
+
 def _as_nobody(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         list(argv),
