@@ -293,8 +293,10 @@ def step_root(
     return root
 
 
-# mount(2)'s flags for MOUNT_FLAGS (<sys/mount.h>)
-MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
+# MOUNT_FLAGS as mount(2)'s flags (<sys/mount.h>): an option added there without
+# its flag here fails at import, never silently.
+_MS = {"ro": 1, "nosuid": 2, "nodev": 4}  # MS_RDONLY, MS_NOSUID, MS_NODEV
+_OVERLAY_FLAGS = sum(_MS[o] for o in MOUNT_FLAGS.split(","))
 
 
 def _mount_overlay(options: str, target: Path) -> None:
@@ -305,8 +307,7 @@ def _mount_overlay(options: str, target: Path) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     mount = libc.mount
     mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
-    flags = MS_RDONLY | MS_NOSUID | MS_NODEV
-    if mount(b"overlay", os.fsencode(target), b"overlay", flags, options.encode()) != 0:
+    if mount(b"overlay", os.fsencode(target), b"overlay", _OVERLAY_FLAGS, os.fsencode(options)):
         e = ctypes.get_errno()
         raise RuntimeSetupError(f"preparing the container root: overlay: {os.strerror(e)}")
 
