@@ -139,7 +139,7 @@ def launch(env: dict[str, str], runs: int) -> None:
                 # Each srun starts on settled nodes: the job before it (a plain one
                 # before every --tf-image one) is still in its epilog and Slurm's
                 # cleanup for ~100 ms after srun returns, on the same two cores.
-                time.sleep(SETTLE)
+                settle(env)
             samples[name] += timed(argv, env, 1, who, cwd if who else None)
     for name, vals in samples.items():
         results[name] = statistics.median(vals)
@@ -152,6 +152,21 @@ def launch(env: dict[str, str], runs: int) -> None:
         f"{'MET' if tf - base <= 50 else 'NOT MET'}"
     )
     where(seen, tf - base)
+
+
+def settle(env: dict[str, str]) -> None:
+    """SETTLE seconds, then until Slurm has no job completing (its epilog done)."""
+    time.sleep(SETTLE)
+    argv = ["squeue", "-h", "-t", "CG", "-o", "%i"]
+    if env.get("TFIMAGE_CHROOT"):
+        argv = ["/usr/sbin/chroot", env["TFIMAGE_CHROOT"], *argv]
+    until = time.monotonic() + 10
+    while time.monotonic() < until:
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+        if r.returncode == 0 and not r.stdout.strip():
+            return
+        time.sleep(0.05)
+    sys.exit("bench: a job stayed completing for 10 s: " + " ".join(argv))
 
 
 _DAEMON_LINE = re.compile(
@@ -168,7 +183,7 @@ def where(seen: dict[Path, int], added: float) -> None:
     pins: list[float] = []
     per_job: dict[tuple[str, str], float] = {}
     for path, size in seen.items():
-        with path.open() as f:
+        with path.open(errors="replace") as f:
             f.seek(size)
             for m in _DAEMON_LINE.finditer(f.read()):
                 if m.group(1):
@@ -188,8 +203,9 @@ def where(seen: dict[Path, int], added: float) -> None:
     text = ", ".join(f"{k} {v:.0f} ms" for k, v in med.items())
     print(
         f"launch: where it goes (the daemons' logs, medians; the slower node): {text}; "
-        f"the other {added - sum(med.values()):.0f} ms: forking the daemons' workers, the "
-        "hooks' and the plugin's sockets, ch-run, Slurm"
+        f"the other ~{added - sum(med.values()):.0f} ms (an estimate: medians of different "
+        "rounds): forking the daemons' workers, the hooks' and the plugin's sockets, ch-run, "
+        "Slurm"
     )
 
 

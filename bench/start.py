@@ -15,7 +15,8 @@ import), times a pipe round trip on one CPU and across two, and imports once mor
 with the task and the FUSE process on one CPU against the directory on that CPU:
 the driver's cost without this machine's wakeups.
 
-Needs root, the test user, charliecloud and build/images/tf-custom.sif (made by
+Needs root, the test user, charliecloud, strace, taskset, CPUs 0 and 1, and
+build/images/tf-custom.sif (made by
 `make cluster-up` or `make images`); no cluster.  The launch overhead of --tf-image
 is `bench/run.py launch` (it needs the cluster).
 """
@@ -84,18 +85,31 @@ def _fuse_pid(target: Path) -> int:
 
 def _fuse_requests(root: Path, pid: int) -> int:
     """FUSE requests one warm import makes: the replies the FUSE process writes
-    (strace -c on it during an untimed import)."""
+    (strace -c on it during an untimed import; FORGETs get no reply, so a few
+    are not counted)."""
     with tempfile.NamedTemporaryFile("r", prefix="tfimage-bench-strace-") as out:
         tracer = subprocess.Popen(["strace", "-c", "-f", "-e", "trace=writev", "-o", out.name,
                                    "-p", str(pid)], stderr=subprocess.DEVNULL)  # fmt: skip
-        time.sleep(0.5)  # attached
-        _import(root)
-        tracer.send_signal(signal.SIGINT)
-        tracer.wait(timeout=60)
+        try:
+            time.sleep(0.5)  # attached
+            _import(root)
+        finally:  # never left attached to the FUSE process
+            tracer.send_signal(signal.SIGINT)
+            try:
+                tracer.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                tracer.kill()
+                tracer.wait()
         for line in out.read().splitlines():
             if line.rstrip().endswith("writev"):
                 return int(line.split()[3])
     raise SystemExit("bench start: strace counted no FUSE replies")
+
+
+def _pin_all(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (a multithreaded FUSE process too)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), cpus)
 
 
 def _round_trip_us(cpu_a: int, cpu_b: int, n: int = 20000) -> float:
@@ -105,23 +119,34 @@ def _round_trip_us(cpu_a: int, cpu_b: int, n: int = 20000) -> float:
     b_r, a_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os.sched_setaffinity(0, {cpu_b})
-        for _ in range(n):
-            os.read(a_r, 1)
-            os.write(a_w, b"x")
-        os._exit(0)
+        status = 1
+        try:
+            os.close(b_w)
+            os.close(b_r)
+            os.sched_setaffinity(0, {cpu_b})
+            for _ in range(n):
+                os.read(a_r, 1)
+                os.write(a_w, b"x")
+            status = 0
+        finally:  # never back into the bench's own code (its cleanup is the parent's)
+            os._exit(status)
+    os.close(a_r)
+    os.close(a_w)
     mask = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cpu_a})
-    time.sleep(0.05)
-    t = time.perf_counter()
-    for _ in range(n):
-        os.write(b_w, b"x")
-        os.read(b_r, 1)
-    took = time.perf_counter() - t
-    os.waitpid(pid, 0)
-    os.sched_setaffinity(0, mask)
-    for fd in (a_r, b_w, b_r, a_w):
-        os.close(fd)
+    try:
+        os.sched_setaffinity(0, {cpu_a})
+        time.sleep(0.05)
+        t = time.perf_counter()
+        for _ in range(n):
+            os.write(b_w, b"x")
+            if not os.read(b_r, 1):
+                raise SystemExit("bench start: the round-trip child ended early")
+        took = time.perf_counter() - t
+    finally:
+        os.sched_setaffinity(0, mask)
+        os.close(b_w)
+        os.close(b_r)
+        os.waitpid(pid, 0)
     return took / n * 1e6
 
 
@@ -141,6 +166,11 @@ def main(runs: int) -> None:
         sys.exit("bench start: run as root")
     if not SIF.exists():
         sys.exit(f"bench start: {SIF} missing; run `make images` first")
+    for tool in ("ch-run", "strace", "taskset", *DRIVERS[2:]):
+        if not shutil.which(tool):
+            sys.exit(f"bench start: {tool} is not installed (deploy/local/packages.sh)")
+    if not {0, 1} <= os.sched_getaffinity(0):
+        sys.exit("bench start: needs CPUs 0 and 1 (the round trip across two CPUs)")
     offset = _offset(SIF)
     with tempfile.TemporaryDirectory(prefix="tfimage-bench-start-") as d:
         base = Path(d)
@@ -171,11 +201,11 @@ def main(runs: int) -> None:
                 # The task (and the FUSE process) on CPU 0: no cross-CPU wakeups.
                 one_cpu["directory"].append(_import(roots["directory"], cpu=0))
                 mask = os.sched_getaffinity(fuse)
-                os.sched_setaffinity(fuse, {0})
+                _pin_all(fuse, {0})
                 try:
                     one_cpu[default].append(_import(roots[default], cpu=0))
                 finally:
-                    os.sched_setaffinity(fuse, mask)
+                    _pin_all(fuse, mask)
                 for name in cold:
                     _drop_caches()
                     cold[name].append(_import(roots[name]))
