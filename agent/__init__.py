@@ -6,9 +6,9 @@ subpackage (registry/, cache/, gpu/, submit/, step/, daemon/, cli/) and may chan
 tests/unit/core/test_public_surface.py pins this list.
 """
 
-from tfimage.agent.config import Config, load_config
-from tfimage.agent.errors import ImageError, ImageReferenceError, InputError, TfimageError
-from tfimage.agent.reference import Reference, parse_reference
+from tfimage.agent.core.config import Config, load_config
+from tfimage.agent.core.errors import ImageError, ImageReferenceError, InputError, TfimageError
+from tfimage.agent.core.reference import Reference, parse_reference
 
 __all__ = [
     "Config",

@@ -37,7 +37,7 @@ from gpus import build_fake_nvml, node  # noqa: E402
 IN_PROCESS = r"""
 import json, statistics, sys, time
 import pynvml
-from tfimage.agent.config import config_from_mapping
+from tfimage.agent.core.config import config_from_mapping
 from tfimage.agent.gpu.gate import check
 from tfimage.agent.gpu.probe import Selection, probe
 from tfimage.agent.gpu.verdict import judge

@@ -121,7 +121,7 @@ def _cuda_load(index: int, seconds: float) -> None:
 
 @step("3 load and energy delta")
 def energy(cfg: Path, base: dict[str, Any], seconds: float, fake: str | None) -> None:
-    from tfimage.agent.config import load_config
+    from tfimage.agent.core.config import load_config
     from tfimage.agent.gpu.gate import check as gate_check
 
     if fake:
@@ -149,7 +149,7 @@ def energy(cfg: Path, base: dict[str, Any], seconds: float, fake: str | None) ->
 def _image(work: Path, fake_state: Path | None, driver: tuple[str, ...]) -> Path:
     """A SIF with the NVML-calling program and the host libraries it links (and,
     with the fake driver, its state: the fake reads it inside the container)."""
-    from tfimage.agent.sif import build_commands
+    from tfimage.agent.core.sif import build_commands
 
     root = nvmlcount_rootfs(work / "rootfs", driver)
     if fake_state:

@@ -27,7 +27,8 @@ import yaml
 GIB = 1 << 30
 # The start of each pulling child's program: the site config (argv[1]) and a cache.
 LOAD = (
-    "from tfimage.agent.config import load_config; "
+    "from tfimage.agent.core.config import load_config; "
+    "from tfimage.agent.cache.pull import Puller; "
     "from tfimage.agent.cache.store import ImageCache; c = load_config(sys.argv[1]); "
 )
 
@@ -87,8 +88,9 @@ def main(env: dict[str, str], runs: int) -> None:
     # wheel), where there is one; the oras-py baseline runs in the same interpreter.
     deployed = Path("/opt/tfimage/bin/python3")
     py = str(deployed) if deployed.exists() else sys.executable
+    from tfimage.agent.cache.pull import Puller
     from tfimage.agent.cache.store import ImageCache
-    from tfimage.agent.config import compile_config, config_from_mapping
+    from tfimage.agent.core.config import compile_config, config_from_mapping
     from tfimage.agent.registry.access import client_for
 
     ref_text = "tf-custom:2.0"
@@ -108,7 +110,8 @@ def main(env: dict[str, str], runs: int) -> None:
     ours = (
         "import json, sys; "
         + LOAD
-        + "g = ImageCache(c).ensure(c.reference(sys.argv[2])); print(json.dumps({'hit': g.hit}))"
+        + "g = Puller(ImageCache(c)).ensure(c.reference(sys.argv[2])); "
+        + "print(json.dumps({'hit': g.hit}))"
     )
     # oras-py is no dependency of tfimage: it runs from the dev venv (the dev extra).
     oras_code = (
@@ -230,7 +233,7 @@ def main(env: dict[str, str], runs: int) -> None:
         + "ref = c.reference(sys.argv[2]); n = int(sys.argv[3]); hits = []; "
         "go = threading.Barrier(n + 1); "
         "ts = [threading.Thread(target=lambda: (go.wait(), "
-        "hits.append(ImageCache(c).ensure(ref).hit))) for _ in range(n)]; "
+        "hits.append(Puller(ImageCache(c)).ensure(ref).hit))) for _ in range(n)]; "
         "[t.start() for t in ts]; go.wait(); t0 = time.perf_counter(); "
         "[t.join() for t in ts]; "
         "print(json.dumps({'wall': time.perf_counter() - t0, 'hits': hits}))"
@@ -262,7 +265,7 @@ def main(env: dict[str, str], runs: int) -> None:
 
     # Warm hits, pinned (no registry round trip), in the cache the last concurrent
     # round filled.
-    c = ImageCache(config_from_mapping({**cfg, "cache_dir": str(warm)}, conf))
+    c = Puller(ImageCache(config_from_mapping({**cfg, "cache_dir": str(warm)}, conf)))
     pinned = c.cfg.reference(f"{ref_text}@{manifest.digest}")
     hits = []
     for _ in range(50):

@@ -42,7 +42,7 @@ DRIVERS = ("directory", "kernel", "squashfuse_ll", "squashfuse")
 
 
 def _offset(sif: Path) -> int:
-    from tfimage.agent.sif import root_partition
+    from tfimage.agent.core.sif import root_partition
 
     with sif.open("rb") as f:
         return root_partition(f, sif.stat().st_size).offset

@@ -2,7 +2,7 @@
 this node, and record what ran.
 
 Cleanup and bookkeeping problems are logged, never fatal: a failing Epilog would
-drain the node (hooklog.guarded turns every exception into one log line and exit 0).
+drain the node (hooks/log.py's guarded turns every exception into one log line and exit 0).
 The one exception is a GPU fault found after the job (a compute process left on its
 GPUs, an ECC error): the epilog drains the node itself with a ``tfimage:`` reason
 (agent/gpu/gate.py).  Every part runs whatever the others did, and each is safe
@@ -13,9 +13,7 @@ run directly, they default to Slurm's variables.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -24,43 +22,20 @@ from typing import Any
 
 from tfimage.agent.cache.evict import in_use
 from tfimage.agent.cache.store import ImageCache
-from tfimage.agent.config import DEFAULT_PATH, Config, load_config
-from tfimage.agent.errors import InputError, NodeFault, TfimageError, cause
+from tfimage.agent.core import wire
+from tfimage.agent.core.config import Config, load_config
+from tfimage.agent.core.errors import InputError, NodeFault, TfimageError, cause
+from tfimage.agent.core.ids import valid_job_id
 from tfimage.agent.gpu.alloc import parse_gpus
 from tfimage.agent.gpu.drain import check_node
 from tfimage.agent.gpu.gate import drop_baseline, epilog_gate, health, load_baseline
-from tfimage.agent.hooklog import LOG_FILE, guarded, hook_logger, log_to
-from tfimage.agent.ids import valid_job_id
+from tfimage.agent.hooks.args import parse_hook_args
+from tfimage.agent.hooks.log import LOG_FILE, guarded, hook_logger, log_to
 from tfimage.agent.step.imagemount import release_images, release_job
 from tfimage.agent.usage import jobfacts, metrics, record
 
-# Each option, the Slurm variable it defaults to (run directly as the Epilog), and
-# the usage record's name for it.
-SLURM_ARGS = (
-    ("--job", "SLURM_JOB_ID", "job_id"),
-    ("--image", "SPANK_TFIMAGE_IMAGE", "image"),
-    ("--asked", "SPANK__SLURM_SPANK_OPTION_tfimage_tf_image", "image_asked"),
-    ("--node", "SLURMD_NODENAME", "node"),
-    ("--user", "SLURM_JOB_USER", "user"),
-    ("--uid", "SLURM_JOB_UID", "uid"),
-    ("--account", "SLURM_JOB_ACCOUNT", "account"),
-    ("--partition", "SLURM_JOB_PARTITION", "partition"),
-    ("--array-job", "SLURM_ARRAY_JOB_ID", "array_job_id"),
-    ("--array-task", "SLURM_ARRAY_TASK_ID", "array_task_id"),
-    ("--exit", "SLURM_JOB_EXIT_CODE2", "exit"),
-    ("--exit-raw", "SLURM_JOB_EXIT_CODE", "exit_raw"),
-    ("--gpus", "SLURM_JOB_GPUS", "gpus"),
-    ("--mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "mps"),
-)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tfimage-epilog", description=__doc__)
-    p.add_argument("--config", default=str(DEFAULT_PATH))
-    # Given explicitly when run through the node daemon (tfimage-hook).
-    for flag, var, dest in SLURM_ARGS:
-        p.add_argument(flag, dest=dest, default=os.environ.get(var, ""))
-    return p
+# Each argument's name in the usage record is its wire name (wire.HOOK_FLAGS).
+SLURM_ARGS = tuple(f.dest for f in wire.HOOK_FLAGS["tfimage-epilog"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _epilog(argv: Sequence[str] | None, log: logging.Logger) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_hook_args("tfimage-epilog", __doc__, argv)
     job_id = args.job_id
     if not valid_job_id(job_id):
         return 0
@@ -79,7 +54,7 @@ def _epilog(argv: Sequence[str] | None, log: logging.Logger) -> int:
         log_to(LOG_FILE, "epilog")
         raise
     log_to(Path(cfg.hook_log), "epilog")
-    slurm = {dest: getattr(args, dest) for _, _, dest in SLURM_ARGS}
+    slurm = {dest: getattr(args, dest) for dest in SLURM_ARGS}
     fault: NodeFault | None = None
     cleaned = False
     try:

@@ -3,54 +3,36 @@
 Exit status matters here: Slurm drains a node whose Prolog fails.  An image
 problem is never the node's fault, so it is logged and the prolog exits 0; the
 step that needs the image then fails with the reason on the user's stderr.  Every
-other exception too (hooklog.guarded): only a fault of the node may drain it.  That
+other exception too (hooks/log.py's guarded): only a fault of the node may drain it.  That
 one is a GPU fault (agent/gpu/gate.py): the prolog drains the node with a
 ``tfimage:`` reason and exits 1, and Slurm requeues the job (held, unless the site
 sets ``SchedulerParameters=nohold_on_prolog_fail``).
 
-Arguments come as ``--image=VALUE``, never ``--image VALUE``: the value is the
-job's (any user can submit a job with a control environment of their choosing
-through Slurm's API), and one starting with ``-`` must stay a value.
+Arguments come as ``--image=VALUE``, never ``--image VALUE`` (hooks/args.py, from
+the wire's table).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tfimage.agent.config import DEFAULT_PATH, Config, load_config
-from tfimage.agent.deadline import deadline
-from tfimage.agent.errors import InputError, NodeFault, TfimageError, cause
+from tfimage.agent.core.config import Config, load_config
+from tfimage.agent.core.deadline import deadline
+from tfimage.agent.core.errors import InputError, NodeFault, TfimageError, cause
+from tfimage.agent.core.ids import valid_job_id
+from tfimage.agent.core.logtext import oneline
 from tfimage.agent.gpu.alloc import parse_gpus
 from tfimage.agent.gpu.drain import check_node
 from tfimage.agent.gpu.gate import health, prolog_gate
-from tfimage.agent.hooklog import LOG_FILE, guarded, hook_logger, log_to
-from tfimage.agent.ids import valid_job_id
-from tfimage.agent.logtext import oneline
+from tfimage.agent.hooks.args import parse_hook_args
+from tfimage.agent.hooks.log import LOG_FILE, guarded, hook_logger, log_to
 from tfimage.agent.step.plan import prepare_job
 from tfimage.agent.usage import jobfacts
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tfimage-prolog", description=__doc__)
-    p.add_argument("--config", default=str(DEFAULT_PATH))
-    # Given explicitly when run through the node daemon (tfimage-hook).
-    p.add_argument("--job", default=os.environ.get("SLURM_JOB_ID", ""))
-    p.add_argument("--image", default=os.environ.get("SPANK_TFIMAGE_IMAGE", ""))
-    # Slurm's, from the prolog's environment: the node, the job's GPUs (indices or
-    # UUIDs), and whether the job shares them through MPS.
-    p.add_argument("--node", default=os.environ.get("SLURMD_NODENAME", ""))
-    p.add_argument(
-        "--gpus",
-        default=os.environ.get("SLURM_JOB_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-    )
-    p.add_argument("--mps", default=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", ""))
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,9 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
     started = time.time()
-    args = _parser().parse_args(argv)
+    args = parse_hook_args("tfimage-prolog", __doc__, argv)
     image = args.image
-    job_id = args.job
+    job_id = args.job_id
     if not image and not args.gpus:
         return 0  # neither a tfimage job nor a GPU job: nothing to do
     if not valid_job_id(job_id):
@@ -153,7 +135,6 @@ def _gpu_gate(
     except Exception as e:  # the gate's own trouble (a full /run): the image still comes
         log.error("job %s: gpu: not checked: %s", job_id, cause(e))
         return None
-
 
 
 if __name__ == "__main__":

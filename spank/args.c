@@ -1,5 +1,6 @@
 /* plugstack.conf arguments: helper=PATH config=PATH daemon=SOCKET pin_socket=SOCKET
- * submit_timeout=S prepare_timeout=S (resolver=SOCKET: pin_socket's old name) */
+ * submit_timeout=S prepare_timeout=S (wire.PLUGSTACK_KEYS); the defaults are
+ * wire.h's, which are agent/core/wire.py's, which the config's are too. */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,11 +34,11 @@ static int set_secs(int *dst, const char *val, const char *key)
 
 int tfi_parse_args(int ac, char **av)
 {
-	strcpy(tfi_conf.helper, "/opt/tfimage/bin/tfimage");
-	strcpy(tfi_conf.config, "/etc/tfimage/config.yaml");
-	tfi_conf.submit_timeout = 30;
+	strcpy(tfi_conf.helper, TFI_DEFAULT_HELPER);
+	strcpy(tfi_conf.config, TFI_DEFAULT_CONFIG);
+	tfi_conf.submit_timeout = TFI_DEFAULT_SUBMIT_TIMEOUT;
 	/* the config's default hook_deadline, and the grace beyond it */
-	tfi_conf.prepare_timeout = 600 + TFI_HOOK_GRACE;
+	tfi_conf.prepare_timeout = TFI_DEFAULT_HOOK_DEADLINE + TFI_HOOK_GRACE;
 	tfi_conf.daemon[0] = '\0';
 	tfi_conf.pin_socket[0] = '\0';
 
@@ -53,8 +54,6 @@ int tfi_parse_args(int ac, char **av)
 			rc = set_path(tfi_conf.daemon, a + 7, "daemon");
 		else if (strncmp(a, "pin_socket=", 11) == 0)
 			rc = set_path(tfi_conf.pin_socket, a + 11, "pin_socket");
-		else if (strncmp(a, "resolver=", 9) == 0) /* the old name, for one release */
-			rc = set_path(tfi_conf.pin_socket, a + 9, "resolver");
 		else if (strncmp(a, "submit_timeout=", 15) == 0)
 			rc = set_secs(&tfi_conf.submit_timeout, a + 15, "submit_timeout");
 		else if (strncmp(a, "prepare_timeout=", 16) == 0)

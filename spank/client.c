@@ -1,6 +1,6 @@
 /* The daemon's client: ask the node's tfimage daemon (a warm Python process,
  * `tfimage daemon`) to run a helper command or a hook, instead of starting Python
- * for every step.  The framing is agent/wire.py's (1): one request per connection,
+ * for every step.  The framing is agent/core/wire.py's (1): one request per connection,
  * TFI_WIRE_MAGIC and its NUL, the arguments each NUL-terminated, then the writing
  * side shut; the answer is the status (int32 BE), stderr's length (uint32 BE),
  * stderr, stdout to EOF.

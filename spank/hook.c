@@ -8,7 +8,7 @@
  * this waits TFI_HOOK_GRACE seconds more for it to say so.
  *
  * The daemon runs PROGRAM's entry point with ARGS; its exit status is this one's
- * (the Python hook's own: non-zero only for a fault of the node, hooklog.py).
+ * (the Python hook's own: non-zero only for a fault of the node, hooks/log.py).
  * When no daemon listens, PROGRAM itself is exec'ed with ARGS and this environment:
  * a hook never depends on the daemon.  Once a daemon took the request, it is never
  * run a second time: no answer in time, or a worker that died, is reported and

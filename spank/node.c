@@ -74,9 +74,9 @@ static int step_has_gpus(char **env)
 	return 0;
 }
 
-/* The helper's answer, agent/wire.py (3): NUL-separated tokens
+/* The helper's answer, agent/core/wire.py (3): NUL-separated tokens
  *   argv N a1 .. aN        the runtime's prefix
- *   src PATH               a --tf-mount source each task checks, as the user
+ *   src PATH               a --tf-mount host path each task checks, as the user
  *   env L NAME VALUE       set NAME=VALUE in local task L unless the user did */
 static int parse_answer(char *buf, size_t len)
 {
@@ -104,10 +104,10 @@ static int parse_answer(char *buf, size_t len)
 	if (tfi_state.prefix[0][0] != '/')
 		return -1;
 	tfi_state.env_len = 0;
-	tfi_state.sources_len = 0;
+	tfi_state.host_paths_len = 0;
 	for (i = 2 + tfi_state.prefix_len; i < n;) {
-		if (strcmp(tok[i], TFI_TOK_SRC) == 0 && i + 1 < n && tfi_state.sources_len < TFI_MAX_ARGS) {
-			tfi_state.sources[tfi_state.sources_len++] = tok[i + 1];
+		if (strcmp(tok[i], TFI_TOK_SRC) == 0 && i + 1 < n && tfi_state.host_paths_len < TFI_MAX_ARGS) {
+			tfi_state.host_paths[tfi_state.host_paths_len++] = tok[i + 1];
 			i += 2;
 		} else if (strcmp(tok[i], TFI_TOK_ENV) == 0 && i + 3 < n && tfi_state.env_len < TFI_MAX_ENV) {
 			tfi_state.env[3 * tfi_state.env_len] = tok[i + 1];
@@ -129,13 +129,13 @@ static int prepare(void)
 {
 	static const char *const layout[] = TFI_LAYOUTS;
 	char err[512];
-	/* 4 fixed words, 6 ids, workdir, script, mounts, --gpus, a --layout per
+	/* 4 fixed words, 6 ids, workdir, script, binds, --gpus, a --layout per
 	 * TFI_LAYOUTS entry (9), NULL: 24; room to spare. */
 	char *hargv[48], *out = NULL, *own[32] = { NULL };
 	size_t len = 0;
 	int h = 0, o = 0, rc = -1;
 
-	/* agent/wire.py (2): every value as --name=VALUE, a value is the job's, and
+	/* agent/core/wire.py (2): every value as --name=VALUE, a value is the job's, and
 	 * one starting with '-' must stay a value. */
 	hargv[h++] = tfi_conf.helper;
 	hargv[h++] = "--config";
@@ -163,8 +163,8 @@ static int prepare(void)
 			goto oom;
 		hargv[h++] = own[o++];
 	}
-	if (tfi_state.mounts[0]) {
-		if (asprintf(&own[o], "%s%s", TFI_ARG_TF_MOUNT, tfi_state.mounts) < 0)
+	if (tfi_state.binds[0]) {
+		if (asprintf(&own[o], "%s%s", TFI_ARG_TF_MOUNT, tfi_state.binds) < 0)
 			goto oom;
 		hargv[h++] = own[o++];
 	}
@@ -284,21 +284,21 @@ int tfi_node_task_init(spank_t sp)
 	}
 	if (!tfi_state.prefix_buf)
 		return 0;
-	/* As the user: each source was resolved as the user when the step was
+	/* As the user: each host path was resolved as the user when the step was
 	 * prepared, and is bound by that real path; it must still be that path (no
 	 * link put in its way since), or nothing is bound. */
-	for (int i = 0; i < tfi_state.sources_len; i++) {
+	for (int i = 0; i < tfi_state.host_paths_len; i++) {
 		char real[PATH_MAX];
 
-		if (!realpath(tfi_state.sources[i], real)) {
-			fprintf(stderr, "tfimage: --tf-mount: source %s: %s\n", tfi_state.sources[i],
+		if (!realpath(tfi_state.host_paths[i], real)) {
+			fprintf(stderr, "tfimage: --tf-mount: host path %s: %s\n", tfi_state.host_paths[i],
 				strerror(errno));
 			fflush(stderr);
 			return -1;
 		}
-		if (strcmp(real, tfi_state.sources[i]) != 0) {
-			fprintf(stderr, "tfimage: --tf-mount: source %s changed since the step was "
-				"prepared; not bound\n", tfi_state.sources[i]);
+		if (strcmp(real, tfi_state.host_paths[i]) != 0) {
+			fprintf(stderr, "tfimage: --tf-mount: host path %s changed since the step was "
+				"prepared; not bound\n", tfi_state.host_paths[i]);
 			fflush(stderr);
 			return -1;
 		}

@@ -6,7 +6,7 @@
  * The host's pin server (the daemon's pin socket) answers first when it runs, a
  * few ms; anything but a pinned reference or a rejected input from it, and the
  * helper pins as the user, as it would with no daemon.  Both get the same
- * submit-check request (agent/wire.py, 4). */
+ * submit-check request (agent/core/wire.py, 4). */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,14 +46,14 @@ static int ask_pin_server(char *const argv[], char **out, size_t *len, char *err
 
 int tfi_submit_init_post_opt(spank_t sp)
 {
-	const char *job = getenv("SLURM_SPANK_TFIMAGE_IMAGE"); /* an srun inside a job */
-	char *mounts = NULL, *job_image = NULL, *out = NULL;
+	const char *job = getenv(TFI_STEP_IMAGE_VAR); /* an srun inside a job */
+	char *binds = NULL, *job_image = NULL, *out = NULL;
 	char err[512];
 	size_t len = 0;
 	long long start = tfi_now_ms();
 	int rc;
 
-	if (asprintf(&mounts, "%s%s", TFI_ARG_TF_MOUNT, tfi_state.mounts) < 0 ||
+	if (asprintf(&binds, "%s%s", TFI_ARG_TF_MOUNT, tfi_state.binds) < 0 ||
 	    asprintf(&job_image, "%s%s", TFI_ARG_JOB_IMAGE, job ? job : "") < 0) {
 		slurm_error("tfimage: submit: out of memory");
 		return -1;
@@ -61,7 +61,7 @@ int tfi_submit_init_post_opt(spank_t sp)
 	{
 		/* the helper's argv; the pin server gets argv[3..], the same request */
 		char *argv[] = { tfi_conf.helper, "--config", tfi_conf.config,
-				 TFI_CMD_SUBMIT_CHECK, mounts, job_image, "--", tfi_state.image, NULL };
+				 TFI_CMD_SUBMIT_CHECK, binds, job_image, "--", tfi_state.image, NULL };
 
 		rc = ask_pin_server(&argv[2], &out, &len, err, sizeof(err));
 		if (rc == -2) {
@@ -70,7 +70,7 @@ int tfi_submit_init_post_opt(spank_t sp)
 			rc = tfi_spawn(argv, left > 1 ? (int)left : 1, &out, &len, err, sizeof(err));
 		}
 	}
-	free(mounts);
+	free(binds);
 	free(job_image);
 	if (rc != 0) {
 		slurm_error("tfimage: submit: %s", err[0] ? tfi_strip_prefix(err)
@@ -89,7 +89,7 @@ int tfi_submit_init_post_opt(spank_t sp)
 	if (err[0]) /* e.g. the registry was down and a remembered digest was used */
 		slurm_info("%s", tfi_strip_prefix(err));
 	slurm_verbose("tfimage: submit: %s pinned to %s", tfi_state.image, out);
-	rc = spank_job_control_setenv(sp, "TFIMAGE_IMAGE", out, 1);
+	rc = spank_job_control_setenv(sp, TFI_CONTROL_IMAGE, out, 1);
 	free(out);
 	if (rc != ESPANK_SUCCESS) {
 		slurm_error("tfimage: submit: cannot pass the image to the job: %s",

@@ -10,7 +10,7 @@ struct tfi_state tfi_state;
 
 static int opt_image(int val, const char *optarg, int remote);
 static int opt_batch(int val, const char *optarg, int remote);
-static int opt_mount(int val, const char *optarg, int remote);
+static int opt_bind(int val, const char *optarg, int remote);
 
 static struct spank_option tfi_options[] = {
 	{ "tf-image", "REF",
@@ -20,7 +20,7 @@ static struct spank_option tfi_options[] = {
 	{ "tf-mount", "SRC:DST[:ro|rw][,...]",
 	  "[tfimage] bind host directories into the image (sources limited to the site's "
 	  "allowed prefixes)",
-	  1, 0, opt_mount },
+	  1, 0, opt_bind },
 	{ "tf-batch", "auto|container|host",
 	  "[tfimage] where the batch script runs: auto (in the image if the job has one "
 	  "task, else on the host so srun works), container or host",
@@ -59,20 +59,20 @@ static int opt_image(int val, const char *optarg, int remote)
 	return 0;
 }
 
-static int opt_mount(int val, const char *optarg, int remote)
+static int opt_bind(int val, const char *optarg, int remote)
 {
 	(void)val;
 	(void)remote;
-	if (optarg == NULL || strlen(optarg) >= sizeof(tfi_state.mounts)) {
+	if (optarg == NULL || strlen(optarg) >= sizeof(tfi_state.binds)) {
 		slurm_error("tfimage: --tf-mount: missing or longer than %zu characters",
-			    sizeof(tfi_state.mounts) - 1);
+			    sizeof(tfi_state.binds) - 1);
 		return -1;
 	}
 	if (has_control(optarg)) {
 		slurm_error("tfimage: --tf-mount: the value holds a control character");
 		return -1;
 	}
-	strcpy(tfi_state.mounts, optarg);
+	strcpy(tfi_state.binds, optarg);
 	return 0;
 }
 

@@ -6,7 +6,7 @@
  *   node.c    slurmstepd: ready the image (root), then wrap each task
  *   spawn.c   running the tfimage helper with a deadline, output kept for errors
  *   client.c  the same request to the host's warm tfimage daemon, when one runs
- *   wire.h    the constants of agent/wire.py, which describes every message
+ *   wire.h    the constants of agent/core/wire.py, which describes every message
  *   args.c    plugstack.conf arguments
  * Every message starts with "tfimage:" and names the phase and the cause.
  */
@@ -37,7 +37,7 @@ struct tfi_conf {
 struct tfi_state {
 	int image_set;
 	char image[TFI_MAX_REF + 1];
-	char mounts[TFI_MAX_PATH];  /* --tf-mount, checked by the helper */
+	char binds[TFI_MAX_PATH];   /* --tf-mount (binds), checked by the helper */
 	enum tfi_batch batch;
 	/* node side: the helper's answer, NUL-separated tokens (see node.c) */
 	char *prefix_buf;
@@ -45,8 +45,8 @@ struct tfi_state {
 	int prefix_len;
 	char *env[3 * TFI_MAX_ENV]; /* (local task id, name, value) triples */
 	int env_len;
-	char *sources[TFI_MAX_ARGS]; /* --tf-mount sources each task checks as the user */
-	int sources_len;
+	char *host_paths[TFI_MAX_ARGS]; /* --tf-mount host paths each task checks as the user */
+	int host_paths_len;
 	/* node side: why the image could not be readied; reported by each task,
 	 * whose stderr the user sees (slurmstepd's own log reaches only the admin) */
 	char error[600];

@@ -1,5 +1,5 @@
 /*
- * The wire between the plugin and the Python side: agent/wire.py describes every
+ * The wire between the plugin and the Python side: agent/core/wire.py describes every
  * message; these are its constants, name for name (tests/unit check them against
  * wire.C_CONSTANTS).  Every value goes as --name=VALUE: the values are the job's,
  * and one starting with '-' must stay a value.
@@ -13,6 +13,17 @@
 #define TFI_HOOK_GRACE 30
 /* The most stdout taken in one answer (step-prepare's tokens). */
 #define TFI_MAX_ANSWER 1048576
+
+/* The job's control environment (spank_job_control_setenv), and the name its
+ * steps see it by (an srun inside a job inherits the image from it). */
+#define TFI_CONTROL_IMAGE "TFIMAGE_IMAGE"
+#define TFI_STEP_IMAGE_VAR "SLURM_SPANK_TFIMAGE_IMAGE"
+
+/* plugstack.conf's defaults (the config's own default path and hook_deadline) */
+#define TFI_DEFAULT_CONFIG "/etc/tfimage/config.yaml"
+#define TFI_DEFAULT_HELPER "/opt/tfimage/bin/tfimage"
+#define TFI_DEFAULT_SUBMIT_TIMEOUT 30
+#define TFI_DEFAULT_HOOK_DEADLINE 600
 
 #define TFI_CMD_STEP_PREPARE "step-prepare"
 #define TFI_CMD_SUBMIT_CHECK "submit-check"

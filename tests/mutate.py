@@ -27,12 +27,15 @@ PY = REPO / ".venv" / "bin" / "python"
 
 # module -> the unit tests that hold it
 TARGETS = {
-    "agent/reference.py": ["tests/unit/core/test_reference.py"],
+    "agent/core/reference.py": ["tests/unit/core/test_reference.py"],
     "agent/step/binds.py": ["tests/unit/step/test_binds.py", "tests/unit/step/test_userpath.py"],
     "agent/step/hostlist.py": ["tests/unit/step/test_taskenv.py"],
     "agent/step/taskenv.py": ["tests/unit/step/test_taskenv.py"],
     "agent/cache/evict.py": ["tests/unit/cache/test_evict.py"],
-    "agent/config.py": ["tests/unit/core/test_config.py", "tests/unit/core/test_config_compile.py"],
+    "agent/core/config.py": [
+        "tests/unit/core/test_config.py",
+        "tests/unit/core/test_config_compile.py",
+    ],
 }
 
 _SWAP = {

@@ -21,10 +21,10 @@ from typing import TypeVar
 
 import pytest
 
+from tfimage.agent.core.sif import build_commands
 from tfimage.agent.registry.client import RegistryClient
 from tfimage.agent.registry.credentials import Credential
 from tfimage.agent.registry.transport import Transport
-from tfimage.agent.sif import build_commands
 
 T = TypeVar("T")
 

@@ -1,2 +1,2 @@
-"""The node's image cache: the store, downloads, tag coalescing, eviction and
-OCI-to-SIF conversion."""
+"""The node's image cache: the store of its entries, pulls (downloads, tag
+coalescing, OCI-to-SIF conversion), the keep list and eviction."""

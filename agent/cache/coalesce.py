@@ -14,27 +14,27 @@ group, not once per waiter in turn (each would wait out its own timeouts).  Othe
 errors are not shared; the next waiter asks itself.
 
 Times are ``CLOCK_MONOTONIC`` (one clock for every process of a host) with the boot
-it belongs to, so a record left from before a reboot never looks new.
+it belongs to, so an answer left from before a reboot never looks new.
 
-Lock files live in the cache's ``locks/`` as ``tag-<sha256 of the name>.lock``;
-their content is the last answer (JSON).  Root only, like the rest of the cache.
+A tag's lock file (``locks/tag-<sha256 of the name>.lock``, core/layout.py) holds
+the last answer (JSON).  Root only, like the rest of the cache.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tfimage.agent.errors import RegistryUnreachable
-from tfimage.agent.fsutil import held
+from tfimage.agent.core import layout
+from tfimage.agent.core.errors import RegistryUnreachable
+from tfimage.agent.core.fsutil import held
+from tfimage.agent.core.ids import valid_digest
 
-MAX_RECORD = 4096
+MAX_LOCK_FILE = 4096
 
 _boot: str | None = None
 
@@ -49,16 +49,12 @@ def _boot_id() -> str:
     return _boot
 
 
-def lock_path(locks: Path, name: str) -> Path:
-    return locks / f"tag-{hashlib.sha256(name.encode()).hexdigest()}.lock"
-
-
-def resolve_tag(locks: Path, name: str, started: float, resolve: Callable[[], str]) -> str:
+def resolve_tag(cache_dir: Path, name: str, started: float, resolve: Callable[[], str]) -> str:
     """The digest the tag ``name`` (``host/repository:tag``) names: from ``resolve()``
     or, when another request asked the registry after ``started`` (``time.monotonic()``
     at this request's start), from its answer.  Raises ``resolve``'s errors, and
     RegistryUnreachable when the shared answer is that the registry is down."""
-    with held(lock_path(locks, name)) as fd:
+    with held(layout.cache_tag_lock(cache_dir, name)) as fd:
         shared = _read(fd, name, started)
         if shared is not None:
             if shared.get("unreachable"):
@@ -75,27 +71,27 @@ def resolve_tag(locks: Path, name: str, started: float, resolve: Callable[[], st
 
 
 def _read(fd: int, name: str, started: float) -> dict[str, object] | None:
-    """The record in the lock file, if it answers ``name`` and was asked for after
+    """The answer in the lock file, if it answers ``name`` and was asked for after
     ``started`` in this boot; anything else (empty, garbage, older) is None."""
     try:
-        record = json.loads(os.pread(fd, MAX_RECORD, 0))
+        answer = json.loads(os.pread(fd, MAX_LOCK_FILE, 0))
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or record.get("name") != name:
+    if not isinstance(answer, dict) or answer.get("name") != name:
         return None
-    if record.get("boot") != _boot_id() or not _boot_id():
+    if answer.get("boot") != _boot_id() or not _boot_id():
         return None
-    asked = record.get("asked")
+    asked = answer.get("asked")
     if not isinstance(asked, float) or asked < started:
         return None
-    digest = record.get("digest")
-    if isinstance(digest, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
-        return record
-    return record if isinstance(record.get("unreachable"), str) else None
+    digest = answer.get("digest")
+    if isinstance(digest, str) and valid_digest(digest):
+        return answer
+    return answer if isinstance(answer.get("unreachable"), str) else None
 
 
-def _write(fd: int, record: dict[str, object]) -> None:
-    data = json.dumps(record).encode()
-    with contextlib.suppress(OSError):  # a record not kept costs the next waiter one request
+def _write(fd: int, answer: dict[str, object]) -> None:
+    data = json.dumps(answer).encode()
+    with contextlib.suppress(OSError):  # a answer not kept costs the next waiter one request
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)

@@ -27,13 +27,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tfimage.agent import toolrun
 from tfimage.agent.cache import imagefs
-from tfimage.agent.errors import ImageError, RuntimeSetupError
-from tfimage.agent.logtext import oneline
-from tfimage.agent.reference import Reference
+from tfimage.agent.core import toolrun
+from tfimage.agent.core.errors import ImageError, RuntimeSetupError
+from tfimage.agent.core.logtext import oneline
+from tfimage.agent.core.reference import Reference
+from tfimage.agent.core.sif import build_commands
 from tfimage.agent.registry.credentials import Credential
-from tfimage.agent.sif import build_commands
 
 CONVERT_TIMEOUT = 3600.0
 log = logging.getLogger(__name__)
@@ -155,17 +155,18 @@ def oci_to_sif(
     ref: Reference,
     digest: str,
     dest: Path,
-    work_dir: Path,
+    work_prefix: Path,
     *,
     credential: Credential | None,
     ca_bundle: str | None,
 ) -> None:
-    """Convert the image ``ref`` pinned at ``digest`` into the SIF file ``dest``."""
+    """Convert the image ``ref`` pinned at ``digest`` into the SIF file ``dest``, in
+    a new work directory named from ``work_prefix`` (``layout.cache_convert_work``)."""
     # Named for the digest: cache prune tells an abandoned one (its digest's lock
     # free, old) from one at work (the converting pull holds that lock).
-    work = Path(tempfile.mkdtemp(prefix=f"convert-{digest.replace(':', '-')}-", dir=work_dir))
+    work = Path(tempfile.mkdtemp(prefix=work_prefix.name, dir=work_prefix.parent))
     try:
-        source = f"docker://{ref.registry}/{ref.repository}@{digest}"
+        image_url = f"docker://{ref.registry}/{ref.repository}@{digest}"
         argv = ["skopeo", "copy", "--quiet"]
         if credential:
             auth = work / "auth.json"
@@ -179,7 +180,7 @@ def oci_to_sif(
             certs.mkdir()
             shutil.copy(ca_bundle, certs / "ca.crt")
             argv += ["--src-cert-dir", str(certs)]
-        _run([*argv, source, f"oci:{work / 'oci'}:img"], "fetching the OCI image")
+        _run([*argv, image_url, f"oci:{work / 'oci'}:img"], "fetching the OCI image")
         apptainer = shutil.which("apptainer", path=toolrun.SAFE_ENV["PATH"])
         if apptainer:
             build, env = apptainer_build(apptainer, work)

@@ -19,7 +19,7 @@ hashed always has one: the buffers cannot all wait on each other.
 
 The partial file is therefore always a prefix of the blob: an interrupted download
 (a kill -9, a dropped connection, a crash) resumes from its end, whatever the number
-of connections, and needs no other record.  The sha256 over the whole file, checked
+of connections, and needs no other bookkeeping.  The sha256 over the whole file, checked
 before publishing, decides.
 """
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tfimage.agent.errors import RegistryStalled, RegistryUnreachable
+from tfimage.agent.core.errors import RegistryStalled, RegistryUnreachable
 
 if TYPE_CHECKING:
     from tfimage.agent.registry.client import RegistryClient

@@ -1,5 +1,5 @@
-"""Eviction: usage, prune, remove, and what is left over (stale holders,
-interrupted downloads, orphans).
+"""Eviction: how full the cache is, prune, remove, and what is left over (stale
+holders, interrupted downloads, orphans).
 
 Prune starts at the high watermark and stops at the low one, least recently used
 first.  It never takes a kept entry (keep.py), one a running job holds, or one used more
@@ -11,6 +11,7 @@ so is an interrupted download nobody resumed within the minimum age.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import time
@@ -18,16 +19,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.cache.keep import is_kept
-from tfimage.agent.cache.store import ImageCache
-from tfimage.agent.config import Config
-from tfimage.agent.errors import CacheError
-from tfimage.agent.fsutil import held
+from tfimage.agent.cache.store import Entry, ImageCache
+from tfimage.agent.core import layout
+from tfimage.agent.core.config import Config
+from tfimage.agent.core.errors import CacheError
+from tfimage.agent.core.fsutil import held
+from tfimage.agent.core.ids import valid_job_id
 from tfimage.agent.usage import metrics
 
 
 @dataclass(frozen=True)
-class Usage:
+class Fill:
+    """How full the cache is, against what its watermarks are percentages of."""
+
     cache_bytes: int
     entries: int
     limit_bytes: int  # what the watermarks are percentages of
@@ -38,92 +42,88 @@ class Usage:
         return 100.0 * self.used_bytes / self.limit_bytes if self.limit_bytes else 0.0
 
 
-def usage(cache: ImageCache) -> Usage:
+def fill(cache: ImageCache) -> Fill:
     entries = cache.entries()
-    size = sum(int(e.get("size", 0)) for e in entries)
+    size = sum(e.size for e in entries)
     if cache.cfg.cache_max_bytes:
-        return Usage(size, len(entries), cache.cfg.cache_max_bytes, size)
+        return Fill(size, len(entries), cache.cfg.cache_max_bytes, size)
     st = os.statvfs(cache.root)
     total = st.f_blocks * st.f_frsize
-    return Usage(size, len(entries), total, total - st.f_bavail * st.f_frsize)
+    return Fill(size, len(entries), total, total - st.f_bavail * st.f_frsize)
 
 
 def live_job(cache: ImageCache, job: str) -> bool:
-    return (Path(cache.cfg.state_dir) / "jobs" / f"{job}.images.json").exists()
+    """Whether ``job`` is running on this node: its images file is there (step/).
+    A holder no job id could be (a hand's) never is."""
+    return valid_job_id(job) and layout.job_images(cache.cfg.state_dir, job).exists()
 
 
 def in_use(cache: ImageCache, digest: str) -> bool:
     """Whether a job still running on this node holds the image."""
-    return any(live_job(cache, h) for h in cache.read_meta(digest).get("holders", []))
+    return any(live_job(cache, h) for h in cache.read_entry(digest).holders)
 
 
 def reclaim_holders(cache: ImageCache) -> int:
     """Drop holders whose jobs are gone from this node; returns how many."""
     dropped = 0
-    for meta in cache.entries():
-        stale = {h for h in meta.get("holders", []) if not live_job(cache, h)}
+    for entry in cache.entries():
+        stale = {h for h in entry.holders if not live_job(cache, h)}
         if stale:
             dropped += len(stale)
-
-            def drop(m: dict[str, Any], stale: set[str] = stale) -> None:
-                m["holders"] = [h for h in m["holders"] if h not in stale]
-
-            cache.update_meta(meta["digest"], drop)
+            cache.update_entry(entry.digest, functools.partial(Entry.without_holders, gone=stale))
     return dropped
 
 
 def remove(cache: ImageCache, digest: str, *, force: bool = False) -> None:
     """Remove one entry; refuses one a running job holds, and a kept one unless forced."""
     with cache.lock(digest):
-        meta = cache.read_meta(digest)
+        entry = cache.read_entry(digest)
         if not cache.path_of(digest).exists():
             raise CacheError(f"{digest[:19]} is not in the cache")
-        holders = [h for h in meta.get("holders", []) if live_job(cache, h)]
+        holders = [h for h in entry.holders if live_job(cache, h)]
         if holders:
             raise CacheError(f"{digest[:19]} is held by running job(s) {', '.join(holders)}")
-        if is_kept(meta) and not force:
+        if entry.kept and not force:
             raise CacheError(f"{digest[:19]} is kept; unkeep it or use --force")
         # Unlinking is safe even while mounted: a reader keeps its open file.
         cache.path_of(digest).unlink()
         with contextlib.suppress(FileNotFoundError):
-            cache.meta_path(digest).unlink()
+            cache.entry_path(digest).unlink()
 
 
-def prune(
-    cache: ImageCache, *, dry_run: bool = False, now: float | None = None
-) -> list[dict[str, Any]]:
+def prune(cache: ImageCache, *, dry_run: bool = False, now: float | None = None) -> list[Entry]:
     """Evict down to the low watermark if above the high one; returns what went."""
     cfg = cache.cfg
     reclaim_holders(cache)
-    u = usage(cache)
-    if u.percent < cfg.cache_high_watermark:
+    f = fill(cache)
+    if f.percent < cfg.cache_high_watermark:
         return []
-    target = cfg.cache_low_watermark * u.limit_bytes / 100.0
+    target = cfg.cache_low_watermark * f.limit_bytes / 100.0
     now = time.time() if now is None else now
-    gone: list[dict[str, Any]] = []
-    used = u.used_bytes
-    for meta in sorted(cache.entries(), key=lambda m: float(m.get("last_used", 0))):
+    gone: list[Entry] = []
+    used = f.used_bytes
+    for entry in sorted(cache.entries(), key=lambda e: e.last_used):
         if used <= target:
             break
-        if is_kept(meta) or any(live_job(cache, h) for h in meta.get("holders", [])):
+        if entry.kept or any(live_job(cache, h) for h in entry.holders):
             continue
-        if now - float(meta.get("last_used", 0)) < cfg.cache_min_age:
+        if now - entry.last_used < cfg.cache_min_age:
             continue
         if not dry_run:
             try:
-                remove(cache, meta["digest"])
+                remove(cache, entry.digest)
             except CacheError:
                 continue  # held or kept since we looked
-        used -= int(meta.get("size", 0))
-        gone.append(meta)
+        used -= entry.size
+        gone.append(entry)
     if gone and not dry_run:
         _count(cfg, gone)
     return gone
 
 
-def _count(cfg: Config, gone: list[dict[str, Any]]) -> None:
+def _count(cfg: Config, gone: list[Entry]) -> None:
     """Evictions into the node's metrics; their trouble never undoes an eviction."""
-    freed = sum(int(m.get("size", 0)) for m in gone)
+    freed = sum(e.size for e in gone)
 
     def change(counters: dict[str, Any]) -> None:
         metrics.add("cache_evictions", len(gone))(counters)
@@ -142,15 +142,16 @@ def stale_partials(
     now; removed unless ``dry_run``."""
     now = time.time() if now is None else now
     gone = []
-    tmp = cache.root / "tmp"
-    left = [*tmp.glob("sha256-*.partial"), *tmp.glob("sha256-*.converted")]
-    left += [p for p in tmp.glob("convert-sha256-*") if p.is_dir() and not p.is_symlink()]
-    for path in sorted(left):
-        key = path.name.removeprefix("convert-")[: len("sha256-") + 64]
+    for path in layout.cache_leftovers(cache.root):
+        work_dir = path.name.startswith(layout.CONVERT_PREFIX)
+        if work_dir and (not path.is_dir() or path.is_symlink()):
+            continue  # only root writes tmp/: a link there is left for an operator
+        # The digest's lock, by its key: the pull at work on it holds that.
+        key = path.name.removeprefix(layout.CONVERT_PREFIX)[: layout.KEY_LENGTH]
         try:
             if now - path.lstat().st_mtime < cache.cfg.cache_min_age:
                 continue
-            with held(cache.root / "locks" / f"{key}.lock", blocking=False):
+            with held(layout.cache_lock(cache.root, key), blocking=False):
                 if not dry_run:
                     if path.is_dir() and not path.is_symlink():
                         shutil.rmtree(path, ignore_errors=True)
@@ -166,13 +167,12 @@ def stale_partials(
 
 
 def orphans(cache: ImageCache, *, dry_run: bool = False) -> list[Path]:
-    """Images without metadata and metadata without images (store.py's publish
+    """Images without metadata files and metadata files without images (store.py's publish
     leaves neither, but a crash between its two steps, or an older tfimage, may);
     removed under their digest's lock, unless ``dry_run``."""
     gone = []
     for path in cache.orphans():
-        digest = path.stem.replace("-", ":", 1)
-        with cache.lock(digest):
+        with cache.lock(path.stem):  # the key: the digest's lock
             other = path.with_suffix(".json" if path.suffix == ".sif" else ".sif")
             if other.exists() or not path.exists():
                 continue  # published (or removed) since we looked

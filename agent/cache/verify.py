@@ -5,23 +5,24 @@ from __future__ import annotations
 import hashlib
 
 from tfimage.agent.cache.store import CHUNK, ImageCache
-from tfimage.agent.sif import has_magic
+from tfimage.agent.core import layout
+from tfimage.agent.core.sif import has_magic
 
 
 def verify(cache: ImageCache) -> list[tuple[str, str]]:
     """(digest, problem) for each bad entry, and for each orphan (an image without
-    metadata, or metadata without its image)."""
+    its metadata, or metadata without its image)."""
     bad = [
         (
-            p.stem.replace("-", ":", 1),
+            layout.digest_of_key(p.name) or p.stem,
             "image without metadata (cache prune removes it)"
             if p.suffix == ".sif"
             else "metadata without its image (cache prune removes it)",
         )
         for p in cache.orphans()
     ]
-    for meta in cache.entries():
-        path = cache.path_of(meta["digest"])
+    for entry in cache.entries():
+        path = cache.path_of(entry.digest)
         try:
             h = hashlib.sha256()
             with path.open("rb") as f:
@@ -30,10 +31,10 @@ def verify(cache: ImageCache) -> list[tuple[str, str]]:
                 while block := f.read(CHUNK):
                     h.update(block)
         except OSError as e:
-            bad.append((meta["digest"], f"unreadable: {e.strerror}"))
+            bad.append((entry.digest, f"unreadable: {e.strerror}"))
             continue
         if not has_magic(head):
-            bad.append((meta["digest"], "not a SIF file"))
-        elif meta.get("blob") and "sha256:" + h.hexdigest() != meta["blob"]:
-            bad.append((meta["digest"], "content does not match its sha256"))
+            bad.append((entry.digest, "not a SIF file"))
+        elif entry.blob and "sha256:" + h.hexdigest() != entry.blob:
+            bad.append((entry.digest, "content does not match its sha256"))
     return bad

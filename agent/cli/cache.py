@@ -1,8 +1,7 @@
 """``tfimage cache ...``: the operator's view of one node's image cache.
 
 Exit codes as for ``tfimage``; ``verify`` exits 1 when an entry is bad, ``warm``
-when a kept image could not be fetched.  ``keep``/``unkeep`` were ``pin``/``unpin``
-(which still work, hidden, with a line saying so, until the next release).
+when a kept image could not be fetched.
 """
 
 from __future__ import annotations
@@ -14,10 +13,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tfimage.agent.config import Config, load_config
-from tfimage.agent.errors import CacheError, TfimageError
+from tfimage.agent.core.config import Config, load_config
+from tfimage.agent.core.errors import CacheError, TfimageError
 
 if TYPE_CHECKING:  # every `tfimage` call builds this parser: load the cache only when used
+    from tfimage.agent.cache.pull import Puller
     from tfimage.agent.cache.store import ImageCache
 
 Handler = Callable[[argparse.Namespace], int]
@@ -29,21 +29,27 @@ def _cache(args: argparse.Namespace) -> ImageCache:
     return ImageCache(load_config(args.config))
 
 
+def _puller(cache: ImageCache) -> Puller:
+    from tfimage.agent.cache.pull import Puller
+
+    return Puller(cache)
+
+
 def _digest_of(cache: ImageCache, cfg: Config, what: str) -> str:
     """A cached entry named by digest (or a unique prefix of one) or by reference."""
     entries = cache.entries()
     if what.startswith("sha256:"):
-        hits = [e["digest"] for e in entries if e["digest"].startswith(what)]
+        hits = [e.digest for e in entries if e.digest.startswith(what)]
     else:
         ref = cfg.reference(what)
         if ref.digest:
             hits = [ref.digest] if cache.path_of(ref.digest).exists() else []
         else:
             name = f"{ref.name}:{ref.tag}"
-            hits = [e["digest"] for e in entries if name in e.get("refs", [])]
+            hits = [e.digest for e in entries if name in e.refs]
     if len(hits) != 1:
         raise CacheError(f"{what!r} names {'no' if not hits else 'more than one'} cached image")
-    return str(hits[0])
+    return hits[0]
 
 
 def _out(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -53,42 +59,40 @@ def _out(args: argparse.Namespace, data: Any, text: str) -> None:
 def cmd_ls(args: argparse.Namespace) -> int:
     entries = _cache(args).entries()
     if args.json:
-        print(json.dumps(entries, sort_keys=True))
+        print(json.dumps([e.to_json() for e in entries], sort_keys=True))
         return 0
-    from tfimage.agent.cache.keep import is_kept
-
     print(f"{'DIGEST':<19}  {'SIZE':>9}  {'LAST USED':<19}  {'KEEP':<4}  {'HELD BY':<10}  REFS")
-    for e in sorted(entries, key=lambda e: -float(e.get("last_used", 0))):
-        used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e.get("last_used", 0))))
-        size = f"{int(e.get('size', 0)) / (1 << 20):.1f}M"
-        held = ",".join(e.get("holders", [])) or "-"
-        keep = "yes" if is_kept(e) else "-"
+    for e in sorted(entries, key=lambda e: -e.last_used):
+        used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.last_used))
+        size = f"{e.size / (1 << 20):.1f}M"
+        held = ",".join(e.holders) or "-"
+        keep = "yes" if e.kept else "-"
         print(
-            f"{str(e['digest'])[:19]:<19}  {size:>9}  {used:<19}  {keep:<4}  {held:<10}  "
-            f"{', '.join(e.get('refs', []))}"
+            f"{e.digest[:19]:<19}  {size:>9}  {used:<19}  {keep:<4}  {held:<10}  "
+            f"{', '.join(e.refs)}"
         )
     return 0
 
 
 def cmd_du(args: argparse.Namespace) -> int:
-    from tfimage.agent.cache.evict import usage
+    from tfimage.agent.cache.evict import fill
 
     cache = _cache(args)
-    u = usage(cache)
+    f = fill(cache)
     cfg = cache.cfg
     data = {
-        "cache_bytes": u.cache_bytes,
-        "entries": u.entries,
-        "limit_bytes": u.limit_bytes,
-        "used_percent": round(u.percent, 2),
+        "cache_bytes": f.cache_bytes,
+        "entries": f.entries,
+        "limit_bytes": f.limit_bytes,
+        "used_percent": round(f.percent, 2),
         "high_watermark": cfg.cache_high_watermark,
         "low_watermark": cfg.cache_low_watermark,
     }
     _out(
         args,
         data,
-        f"{u.cache_bytes / (1 << 20):.1f} MiB in {u.entries} image(s); "
-        f"{u.percent:.1f}% of {u.limit_bytes / (1 << 30):.1f} GiB used "
+        f"{f.cache_bytes / (1 << 20):.1f} MiB in {f.entries} image(s); "
+        f"{f.percent:.1f}% of {f.limit_bytes / (1 << 30):.1f} GiB used "
         f"(prune starts at {cfg.cache_high_watermark:g}%, "
         f"stops at {cfg.cache_low_watermark:g}%)",
     )
@@ -113,14 +117,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
     partials = stale_partials(cache, dry_run=args.dry_run)
     lost = orphans(cache, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
-    lines = [f"{verb} {g['digest']} ({', '.join(g.get('refs', []))})" for g in gone]
+    lines = [f"{verb} {g.digest} ({', '.join(g.refs)})" for g in gone]
     lines += [f"{verb} {p.name} (left by an interrupted pull)" for p in partials]
     lines += [f"{verb} {p.name} (an orphan: half of an entry)" for p in lost]
     _out(
         args,
         {
             "dry_run": args.dry_run,
-            "removed": [g["digest"] for g in gone],
+            "removed": [g.digest for g in gone],
             "partials": [p.name for p in partials],
             "orphans": [p.name for p in lost],
         },
@@ -148,7 +152,7 @@ def _keep(args: argparse.Namespace, keep: bool) -> int:
     cfg = cache.cfg
     ref = cfg.reference(args.image)
     if keep:
-        got = cache.ensure(ref)
+        got = _puller(cache).ensure(ref)
         assert got.ref.digest
         set_kept(cache, got.ref.digest, True)
         change_kept_refs(cache, lambda refs: [*refs, str(ref)])
@@ -161,30 +165,17 @@ def _keep(args: argparse.Namespace, keep: bool) -> int:
     return 0
 
 
-def _renamed(old: str, new: str, handler: Handler) -> Handler:
-    """The old spelling of a renamed action: works, and says so."""
-
-    def run(args: argparse.Namespace) -> int:
-        print(
-            f"tfimage: 'cache {old}' is now 'cache {new}' ('pin' means a tag fixed to its "
-            "digest at submit); the old name goes in the next release",
-            file=sys.stderr,
-        )
-        return handler(args)
-
-    return run
-
-
 def cmd_warm(args: argparse.Namespace) -> int:
     """For a timer: fetch every kept image (a kept tag that moved brings its new bytes)."""
     from tfimage.agent.cache.keep import kept_refs, set_kept
 
     cache = _cache(args)
+    pull = _puller(cache)
     failed = 0
     rows = []
     for text in kept_refs(cache):
         try:
-            got = cache.ensure(cache.cfg.reference(text))
+            got = pull.ensure(cache.cfg.reference(text))
             assert got.ref.digest
             set_kept(cache, got.ref.digest, True)
             rows.append({"ref": text, "digest": got.ref.digest, "hit": got.hit})
@@ -248,11 +239,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], pull: Han
     add("unkeep", unkeep, "let an image be evicted again").add_argument(
         "image", help="image reference that was kept"
     )
-    for old, new, handler in (("pin", "keep", keep), ("unpin", "unkeep", unkeep)):
-        hidden = csub.add_parser(old, description=f"the old name of 'cache {new}'")
-        hidden.add_argument("--json", action="store_true", help="machine-readable output")
-        hidden.add_argument("image", help="image reference")
-        hidden.set_defaults(func=_renamed(old, new, handler))
     add("verify", cmd_verify, "re-check every image's sha256 and SIF magic")
-    add("du", cmd_du, "cache size and filesystem usage against the watermarks")
+    add("du", cmd_du, "cache size and how full its filesystem is, against the watermarks")
     add("warm", cmd_warm, "fetch every kept image (for a timer or cron)")

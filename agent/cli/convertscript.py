@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from tfimage.agent.errors import InputError
+from tfimage.agent.core.errors import InputError
 from tfimage.agent.submit.script import convert
 
 MAX_SCRIPT = 1 << 20  # Slurm's own limit on a batch script is 4 MiB; 1 MiB is generous

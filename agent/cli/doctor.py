@@ -1,6 +1,6 @@
 """``tfimage doctor``: is this node wired up the way tfimage needs?
 
-Each check returns findings; a finding says what is wrong and what to do about it.
+Each check returns diagnoses; a diagnosis says what is wrong and what to do about it.
 Exit status: 0 all in order, 1 warnings only, 2 at least one error.  Checks never
 change anything on the node, and every program they run has a deadline.
 """
@@ -18,9 +18,9 @@ from typing import Literal
 import psutil
 
 from tfimage.agent.cli.slurmconf import hook_scripts, read_plugstack, read_slurm_conf
-from tfimage.agent.config import RENAMED, Config, load_config, renamed_keys
-from tfimage.agent.errors import TfimageError
-from tfimage.agent.wire import HOOK_GRACE
+from tfimage.agent.core.config import Config, load_config
+from tfimage.agent.core.errors import TfimageError
+from tfimage.agent.core.wire import HOOK_GRACE
 
 Level = Literal["ok", "info", "warning", "error"]
 _RANK = {"ok": 0, "info": 0, "warning": 1, "error": 2}
@@ -28,7 +28,7 @@ _DEADLINE = 20.0
 
 
 @dataclass(frozen=True)
-class Finding:
+class Diagnosis:
     check: str
     level: Level
     message: str
@@ -51,8 +51,8 @@ class Context:
     slurm_error: str = ""
 
 
-def exit_status(findings: list[Finding]) -> int:
-    return max((_RANK[f.level] for f in findings), default=0)
+def exit_status(diagnoses: list[Diagnosis]) -> int:
+    return max((_RANK[f.level] for f in diagnoses), default=0)
 
 
 def _run(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -61,26 +61,13 @@ def _run(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Compl
     )
 
 
-def check_config(ctx: Context) -> Iterator[Finding]:
+def check_config(ctx: Context) -> Iterator[Diagnosis]:
     try:
         ctx.cfg = load_config(ctx.config_path)
     except TfimageError as e:
-        yield Finding("config", "error", str(e), f"fix {ctx.config_path} (see README: config)")
+        yield Diagnosis("config", "error", str(e), f"fix {ctx.config_path} (see README: config)")
         return
-    yield Finding("config", "ok", f"{ctx.config_path} is valid (registry {ctx.cfg.registry})")
-    import yaml
-
-    try:
-        data = yaml.safe_load(ctx.config_path.read_text())
-    except (OSError, yaml.YAMLError):
-        return  # load_config read it a moment ago: nothing more to say
-    for old in renamed_keys(data if isinstance(data, dict) else {}):
-        yield Finding(
-            "config",
-            "warning",
-            f"{ctx.config_path}: '{old}' is the old name of '{RENAMED[old]}'",
-            f"rename it; the old name goes in the next release (the role writes {RENAMED[old]})",
-        )
+    yield Diagnosis("config", "ok", f"{ctx.config_path} is valid (registry {ctx.cfg.registry})")
 
 
 def _slurm(ctx: Context) -> dict[str, str] | None:
@@ -93,22 +80,22 @@ def _slurm(ctx: Context) -> dict[str, str] | None:
     return ctx.slurm
 
 
-def check_plugin(ctx: Context) -> Iterator[Finding]:
+def check_plugin(ctx: Context) -> Iterator[Diagnosis]:
     conf = _slurm(ctx)
     if conf is None:
-        yield Finding("plugin", "error", ctx.slurm_error, "set SLURM_CONF or install Slurm")
+        yield Diagnosis("plugin", "error", ctx.slurm_error, "set SLURM_CONF or install Slurm")
         return
     plugstack = Path(conf.get("plugstackconfig") or ctx.slurm_conf.parent / "plugstack.conf")
     try:
         entries = read_plugstack(plugstack)
     except OSError as e:
-        yield Finding(
+        yield Diagnosis(
             "plugin", "error", f"{plugstack}: {e.strerror}", "deploy the role (plugstack.conf)"
         )
         return
     mine = [e for e in entries if os.path.basename(e.path) == "spank_tfimage.so"]
     if not mine:
-        yield Finding(
+        yield Diagnosis(
             "plugin",
             "error",
             f"no spank_tfimage.so line in {plugstack} or its includes",
@@ -120,18 +107,18 @@ def check_plugin(ctx: Context) -> Iterator[Finding]:
     if not so.is_absolute():
         so = Path(conf.get("plugindir", "/usr/lib/x86_64-linux-gnu/slurm-wlm")) / so
     if not so.is_file():
-        yield Finding(
+        yield Diagnosis(
             "plugin",
             "error",
-            f"{so} (named in {entry.source}) does not exist",
+            f"{so} (named in {entry.conf_file}) does not exist",
             "rebuild and install the plugin",
         )
         return
-    yield Finding("plugin", "ok", f"{so} listed in {entry.source}")
+    yield Diagnosis("plugin", "ok", f"{so} listed in {entry.conf_file}")
     args = dict(a.split("=", 1) for a in entry.args if "=" in a)
     helper = args.get("helper", "")
     if helper and not os.access(helper, os.X_OK):
-        yield Finding(
+        yield Diagnosis(
             "plugin",
             "error",
             f"helper={helper} is not executable",
@@ -139,31 +126,24 @@ def check_plugin(ctx: Context) -> Iterator[Finding]:
         )
     daemon = args.get("daemon", "")
     if daemon and not ctx.login:
-        yield _daemon_finding(daemon, "every step and hook starts Python itself")
-    pin_socket = args.get("pin_socket") or args.get("resolver", "")
+        yield _daemon_diagnosis(daemon, "every step and hook starts Python itself")
+    pin_socket = args.get("pin_socket", "")
     if pin_socket:
-        yield _daemon_finding(pin_socket, "every submission starts Python itself to pin")
-    if "resolver" in args:
-        yield Finding(
-            "plugin",
-            "warning",
-            "plugstack's resolver= is the old name of pin_socket=",
-            "rename it (the role writes pin_socket=); resolver= goes in the next release",
-        )
+        yield _daemon_diagnosis(pin_socket, "every submission starts Python itself to pin")
     env = dict(os.environ, SLURM_CONF=str(ctx.slurm_conf))
     try:
         out = _run(["srun", "--help"], env)
     except FileNotFoundError:
-        yield Finding("plugin", "error", "srun is not installed", "install slurm-client")
+        yield Diagnosis("plugin", "error", "srun is not installed", "install slurm-client")
         return
     except subprocess.TimeoutExpired:
-        yield Finding("plugin", "error", "srun --help did not finish", "check the plugin")
+        yield Diagnosis("plugin", "error", "srun --help did not finish", "check the plugin")
         return
     if "--tf-image" in out.stdout:
-        yield Finding("plugin", "ok", "srun --help lists --tf-image: Slurm loads the plugin")
+        yield Diagnosis("plugin", "ok", "srun --help lists --tf-image: Slurm loads the plugin")
     else:
         tail = (out.stderr.strip().splitlines() or [""])[-1][:200]
-        yield Finding(
+        yield Diagnosis(
             "plugin",
             "error",
             f"srun --help does not list --tf-image {tail}".strip(),
@@ -171,7 +151,7 @@ def check_plugin(ctx: Context) -> Iterator[Finding]:
         )
 
 
-def _daemon_finding(path: str, without: str) -> Finding:
+def _daemon_diagnosis(path: str, without: str) -> Diagnosis:
     """``without``: what happens while no daemon answers on ``path``."""
     import socket
 
@@ -180,20 +160,20 @@ def _daemon_finding(path: str, without: str) -> Finding:
         try:
             s.connect(path)
         except OSError as e:
-            return Finding(
+            return Diagnosis(
                 "daemon",
                 "warning",
                 f"no tfimage daemon answers on {path} ({e.strerror or e}): {without} "
                 "(slower, still correct)",
                 "start it: systemctl start tfimage-daemon (the role installs the unit)",
             )
-    return Finding("daemon", "ok", f"tfimage daemon answers on {path}")
+    return Diagnosis("daemon", "ok", f"tfimage daemon answers on {path}")
 
 
-def _hook(conf: dict[str, str], key: str, program: str) -> Finding:
+def _hook(conf: dict[str, str], key: str, program: str) -> Diagnosis:
     value = conf.get(key.lower(), "")
     if not value:
-        return Finding(
+        return Diagnosis(
             "hooks",
             "error",
             f"{key}= is not set in slurm.conf",
@@ -203,10 +183,10 @@ def _hook(conf: dict[str, str], key: str, program: str) -> Finding:
         try:
             with script.open("rb") as f:
                 if program.encode() in f.read(1 << 16):
-                    return Finding("hooks", "ok", f"{key} runs {program} ({script})")
+                    return Diagnosis("hooks", "ok", f"{key} runs {program} ({script})")
         except OSError:
             continue
-    return Finding(
+    return Diagnosis(
         "hooks",
         "error",
         f"no script of {key}={value} runs {program}",
@@ -214,7 +194,7 @@ def _hook(conf: dict[str, str], key: str, program: str) -> Finding:
     )
 
 
-def check_hooks(ctx: Context) -> Iterator[Finding]:
+def check_hooks(ctx: Context) -> Iterator[Diagnosis]:
     conf = _slurm(ctx)
     if conf is None:
         return  # check_plugin reported it
@@ -222,9 +202,9 @@ def check_hooks(ctx: Context) -> Iterator[Finding]:
     yield _hook(conf, "Epilog", "tfimage-epilog")
     flags = [f.strip().lower() for f in conf.get("prologflags", "").split(",")]
     if "alloc" in flags:
-        yield Finding("hooks", "ok", "PrologFlags has Alloc")
+        yield Diagnosis("hooks", "ok", "PrologFlags has Alloc")
     else:
-        yield Finding(
+        yield Diagnosis(
             "hooks",
             "error",
             "PrologFlags lacks Alloc: images are pulled too late",
@@ -235,7 +215,7 @@ def check_hooks(ctx: Context) -> Iterator[Finding]:
         # slurmd kills a hook that outlives it, and drains the node.
         need = ctx.cfg.hook_deadline + HOOK_GRACE
         if need >= int(timeout):
-            yield Finding(
+            yield Diagnosis(
                 "hooks",
                 "error",
                 f"hook_deadline ({ctx.cfg.hook_deadline:g} s) + {HOOK_GRACE} s of grace is not "
@@ -243,10 +223,12 @@ def check_hooks(ctx: Context) -> Iterator[Finding]:
                 "lower hook_deadline in the tfimage config or raise PrologEpilogTimeout",
             )
         else:
-            yield Finding("hooks", "ok", f"hook_deadline ends before PrologEpilogTimeout={timeout}")
+            yield Diagnosis(
+                "hooks", "ok", f"hook_deadline ends before PrologEpilogTimeout={timeout}"
+            )
 
 
-def check_runtime(ctx: Context) -> Iterator[Finding]:
+def check_runtime(ctx: Context) -> Iterator[Diagnosis]:
     if ctx.cfg is None:
         return
     from tfimage.agent.step.runtime import runtime_for
@@ -254,30 +236,30 @@ def check_runtime(ctx: Context) -> Iterator[Finding]:
     try:
         rt = runtime_for(ctx.cfg.runtime, ctx.cfg.runtime_path)
     except TfimageError as e:
-        yield Finding("runtime", "error", str(e), f"install {ctx.cfg.runtime}")
+        yield Diagnosis("runtime", "error", str(e), f"install {ctx.cfg.runtime}")
         return
     # ch-run refuses to start at all without $USER, which cron and hooks may lack.
     env = dict(os.environ, USER=os.environ.get("USER") or "root")
     try:
         out = _run([rt.exe, "--version"], env)
     except (OSError, subprocess.TimeoutExpired) as e:
-        yield Finding("runtime", "error", f"{rt.exe} --version failed: {e}", "reinstall it")
+        yield Diagnosis("runtime", "error", f"{rt.exe} --version failed: {e}", "reinstall it")
         return
     version = (out.stdout.strip() or out.stderr.strip()).splitlines()[:1]
     if out.returncode != 0:
-        yield Finding(
+        yield Diagnosis(
             "runtime",
             "error",
             f"{rt.exe} --version exited {out.returncode}",
             "reinstall the runtime",
         )
         return
-    yield Finding("runtime", "ok", f"{ctx.cfg.runtime}: {rt.exe} {' '.join(version)}")
+    yield Diagnosis("runtime", "ok", f"{ctx.cfg.runtime}: {rt.exe} {' '.join(version)}")
     if rt.needs_mount:
         import shutil
 
         if not shutil.which("squashfuse", path="/usr/local/bin:/usr/bin:/bin"):
-            yield Finding(
+            yield Diagnosis(
                 "runtime", "error", "squashfuse is not installed", "install squashfuse and fuse3"
             )
         try:
@@ -285,7 +267,7 @@ def check_runtime(ctx: Context) -> Iterator[Finding]:
         except OSError:
             fuse = ""
         if not any(line.strip() == "user_allow_other" for line in fuse.splitlines()):
-            yield Finding(
+            yield Diagnosis(
                 "runtime",
                 "error",
                 f"{ctx.fuse_conf} lacks user_allow_other",
@@ -293,7 +275,7 @@ def check_runtime(ctx: Context) -> Iterator[Finding]:
             )
 
 
-def check_registry(ctx: Context) -> Iterator[Finding]:
+def check_registry(ctx: Context) -> Iterator[Diagnosis]:
     if ctx.cfg is None:
         return
     from tfimage.agent.registry.access import client_for
@@ -302,21 +284,21 @@ def check_registry(ctx: Context) -> Iterator[Finding]:
         try:
             client_for(ctx.cfg, host, light=True).ping()
         except TfimageError as e:
-            yield Finding(
+            yield Diagnosis(
                 "registry", "error", str(e), "check the network, ca_bundle and the credentials file"
             )
         else:
-            yield Finding("registry", "ok", f"{host} reachable, credentials accepted")
+            yield Diagnosis("registry", "ok", f"{host} reachable, credentials accepted")
 
 
-def check_cache(ctx: Context) -> Iterator[Finding]:
+def check_cache(ctx: Context) -> Iterator[Diagnosis]:
     if ctx.cfg is None:
         return
     root = Path(ctx.cfg.cache_dir)
     try:
         st = root.lstat()
     except FileNotFoundError:
-        yield Finding(
+        yield Diagnosis(
             "cache",
             "warning",
             f"{root} does not exist yet",
@@ -324,13 +306,15 @@ def check_cache(ctx: Context) -> Iterator[Finding]:
         )
         return
     if not stat.S_ISDIR(st.st_mode):
-        yield Finding("cache", "error", f"{root} is not a directory", "remove it; make a directory")
+        yield Diagnosis(
+            "cache", "error", f"{root} is not a directory", "remove it; make a directory"
+        )
     elif st.st_uid != 0:
-        yield Finding(
+        yield Diagnosis(
             "cache", "error", f"{root} is owned by uid {st.st_uid}, not root", f"chown root {root}"
         )
     elif st.st_mode & 0o022:
-        yield Finding(
+        yield Diagnosis(
             "cache",
             "error",
             f"{root} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})",
@@ -343,7 +327,7 @@ def check_cache(ctx: Context) -> Iterator[Finding]:
             level = "error"
         elif disk.percent >= ctx.cfg.cache_high_watermark:
             level = "warning"
-        yield Finding(
+        yield Diagnosis(
             "cache",
             level,
             f"{root} root-owned; its filesystem {disk.percent:.0f}% full, "
@@ -354,7 +338,7 @@ def check_cache(ctx: Context) -> Iterator[Finding]:
         )
 
 
-def check_leftovers(ctx: Context) -> Iterator[Finding]:
+def check_leftovers(ctx: Context) -> Iterator[Diagnosis]:
     """squashfuse processes whose image mount is gone: a job's image that nothing
     unmounted (a killed epilog), still holding the image file open."""
     if ctx.cfg is None:
@@ -371,28 +355,28 @@ def check_leftovers(ctx: Context) -> Iterator[Finding]:
         if ours and cmd[-1] not in mounted:
             left.append(f"{proc.info['pid']} ({cmd[-1]})")
     if left:
-        yield Finding(
+        yield Diagnosis(
             "mounts",
             "warning",
             f"squashfuse without its mount: {', '.join(left[:5])}",
             "kill those processes; tfimage-epilog unmounts the images no job uses",
         )
     else:
-        yield Finding("mounts", "ok", "no leftover image mount process")
+        yield Diagnosis("mounts", "ok", "no leftover image mount process")
 
 
-def check_nvml(ctx: Context) -> Iterator[Finding]:
+def check_nvml(ctx: Context) -> Iterator[Diagnosis]:
     try:
         import pynvml
     except ImportError:
-        yield Finding("nvml", "warning", "nvidia-ml-py is not installed", "reinstall tfimage")
+        yield Diagnosis("nvml", "warning", "nvidia-ml-py is not installed", "reinstall tfimage")
         return
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError_LibraryNotFound:
         gpus = sorted(p.name for p in ctx.dev_dir.glob("nvidia[0-9]*"))
         if gpus:
-            yield Finding(
+            yield Diagnosis(
                 "nvml",
                 "error",
                 f"{len(gpus)} GPU device file(s) in {ctx.dev_dir} ({', '.join(gpus[:4])}) "
@@ -400,7 +384,7 @@ def check_nvml(ctx: Context) -> Iterator[Finding]:
                 "install the NVIDIA driver's libnvidia-ml.so.1 (the driver's utils package)",
             )
         else:
-            yield Finding(
+            yield Diagnosis(
                 "nvml",
                 "info",
                 "no NVIDIA driver here (no libnvidia-ml.so.1, no /dev/nvidia*): "
@@ -408,7 +392,7 @@ def check_nvml(ctx: Context) -> Iterator[Finding]:
             )
         return
     except pynvml.NVMLError as e:
-        yield Finding(
+        yield Diagnosis(
             "nvml", "error", f"NVML does not initialise: {e}", "check the driver (nvidia-smi)"
         )
         return
@@ -417,14 +401,14 @@ def check_nvml(ctx: Context) -> Iterator[Finding]:
         for i in range(count):
             pynvml.nvmlDeviceGetHandleByIndex(i)
         driver = pynvml.nvmlSystemGetDriverVersion()
-        yield Finding("nvml", "ok", f"driver {driver}, {count} GPU(s) answer")
+        yield Diagnosis("nvml", "ok", f"driver {driver}, {count} GPU(s) answer")
     except pynvml.NVMLError as e:
-        yield Finding("nvml", "error", f"NVML: {e}", "check the GPUs (nvidia-smi -q)")
+        yield Diagnosis("nvml", "error", f"NVML: {e}", "check the GPUs (nvidia-smi -q)")
     finally:
         pynvml.nvmlShutdown()
 
 
-Check = Callable[[Context], Iterator[Finding]]
+Check = Callable[[Context], Iterator[Diagnosis]]
 ALL: tuple[Check, ...] = (
     check_config,
     check_plugin,
@@ -438,12 +422,12 @@ ALL: tuple[Check, ...] = (
 LOGIN: tuple[Check, ...] = (check_config, check_plugin, check_registry)
 
 
-def run_checks(ctx: Context) -> list[Finding]:
-    out: list[Finding] = []
+def run_checks(ctx: Context) -> list[Diagnosis]:
+    out: list[Diagnosis] = []
     for check in LOGIN if ctx.login else ALL:
         try:
             out.extend(check(ctx))
         except Exception as e:  # one check's bug must not hide the others
             name = check.__name__.removeprefix("check_")
-            out.append(Finding(name, "error", f"check failed: {type(e).__name__}: {e}"))
+            out.append(Diagnosis(name, "error", f"check failed: {type(e).__name__}: {e}"))
     return out

@@ -16,8 +16,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.config import load_config
-from tfimage.agent.errors import TfimageError
+from tfimage.agent.core.config import load_config
+from tfimage.agent.core.errors import TfimageError
 from tfimage.agent.gpu import drain as slurm
 from tfimage.agent.gpu.alloc import parse_gpus
 from tfimage.agent.gpu.gate import Check, check

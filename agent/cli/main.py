@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import tfimage
-from tfimage.agent.config import DEFAULT_PATH, Config, load_config
-from tfimage.agent.errors import TfimageError
-from tfimage.agent.reference import Reference
+from tfimage.agent.core import wire
+from tfimage.agent.core.config import DEFAULT_PATH, Config, load_config
+from tfimage.agent.core.errors import TfimageError
+from tfimage.agent.core.reference import Reference
 
 EXIT_INTERNAL = 70
 
@@ -106,11 +107,12 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
+    from tfimage.agent.cache.pull import Puller
     from tfimage.agent.cache.store import ImageCache
     from tfimage.agent.cli.progress import ProgressBar
 
     cfg = _config(args)
-    got = ImageCache(cfg).ensure(cfg.reference(args.ref), progress=ProgressBar())
+    got = Puller(ImageCache(cfg)).ensure(cfg.reference(args.ref), progress=ProgressBar())
     _emit(
         args,
         {
@@ -140,7 +142,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_config_compile(args: argparse.Namespace) -> int:
-    from tfimage.agent.config import compile_config
+    from tfimage.agent.core.config import compile_config
 
     try:
         out = compile_config(args.config)
@@ -162,13 +164,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from tfimage.agent.cli.slurmconf import slurm_conf_path
 
     ctx = Context(Path(args.config), Path(args.slurm_conf or slurm_conf_path()), login=args.login)
-    findings = run_checks(ctx)
-    status = exit_status(findings)
+    diagnoses = run_checks(ctx)
+    status = exit_status(diagnoses)
     if args.json:
         verdict = ("ok", "warning", "error")[status]
-        print(json.dumps({"status": verdict, "findings": [f.as_dict() for f in findings]}))
+        print(json.dumps({"status": verdict, "diagnoses": [f.as_dict() for f in diagnoses]}))
         return status
-    for f in findings:
+    for f in diagnoses:
         print(f"{f.level.upper():8} {f.check:9} {f.message}")
         if f.fix and f.level in ("warning", "error"):
             print(f"{'':18}fix: {f.fix}")
@@ -187,8 +189,8 @@ def build_parser(daemon: Handler | None = None) -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tfimage {tfimage.__version__}")
     p.add_argument(
         "--config",
-        default=os.environ.get("TFIMAGE_CONFIG") or str(DEFAULT_PATH),
-        help=f"site config file (default $TFIMAGE_CONFIG or {DEFAULT_PATH})",
+        default=os.environ.get(wire.CONFIG_VAR) or str(DEFAULT_PATH),
+        help=f"site config file (default ${wire.CONFIG_VAR} or {DEFAULT_PATH})",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -248,7 +250,7 @@ def build_parser(daemon: Handler | None = None) -> argparse.ArgumentParser:
         default="",
         metavar="FILE",
         help="append each request and answer to FILE as JSON lines (0600; for debugging "
-        "the plugin's wire, agent/wire.py)",
+        "the plugin's wire, agent/core/wire.py)",
     )
     dm.set_defaults(func=daemon or _no_daemon)
 

@@ -1,4 +1,4 @@
-"""The plugin's two hidden commands, as agent/wire.py describes them.
+"""The plugin's two hidden commands, as agent/core/wire.py describes them.
 
 ``submit-check`` (srun/sbatch/salloc, as the user, when no pin server answers) and
 ``step-prepare`` (slurmstepd, as root, when no daemon answers; the daemon runs the
@@ -11,10 +11,10 @@ import argparse
 import os
 import sys
 
-from tfimage.agent import wire
-from tfimage.agent.config import Config, load_config
-from tfimage.agent.errors import TfimageError
-from tfimage.agent.reference import Reference
+from tfimage.agent.core import wire
+from tfimage.agent.core.config import Config, load_config
+from tfimage.agent.core.errors import TfimageError
+from tfimage.agent.core.reference import Reference
 
 
 def pin_for_user(cfg: Config, ref: Reference, job_image: str) -> tuple[str, str | None]:
@@ -42,7 +42,7 @@ def cmd_submit_check(args: argparse.Namespace) -> int:
 
 
 def cmd_step_prepare(args: argparse.Namespace) -> int:
-    from tfimage.agent.deadline import deadline
+    from tfimage.agent.core.deadline import deadline
     from tfimage.agent.step.plan import StepRequest, plan_step
 
     if os.geteuid() != 0:
@@ -69,7 +69,7 @@ def cmd_step_prepare(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     with deadline(cfg.hook_deadline, "step preparation"):
         plan = plan_step(cfg, req)
-    sys.stdout.buffer.write(wire.encode_step_answer(plan.argv, plan.sources, plan.env))
+    sys.stdout.buffer.write(wire.encode_step_answer(plan.argv, plan.host_paths, plan.env))
     return 0
 
 
@@ -93,7 +93,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="(the plugin's, root) ready the image for a step, print how to run its tasks",
         description="What the SPANK plugin runs as root for each step when no daemon "
         "answers: ready the image and print the runtime's argv and each task's "
-        "variables (agent/wire.py).",
+        "variables (agent/core/wire.py).",
     )
     sp.add_argument("--job", required=True)
     sp.add_argument("--step", required=True)

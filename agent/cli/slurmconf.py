@@ -53,7 +53,7 @@ class SpankEntry:
     required: bool
     path: str
     args: tuple[str, ...]
-    source: Path
+    conf_file: Path  # the plugstack file that names it
 
 
 def read_plugstack(path: Path, _depth: int = 0) -> list[SpankEntry]:

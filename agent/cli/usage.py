@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.config import load_config
-from tfimage.agent.errors import InputError
-from tfimage.agent.usage import report
+from tfimage.agent.cli import report
+from tfimage.agent.core.config import load_config
+from tfimage.agent.core.errors import InputError
 
 SUMMARY = [
     ("key", ""),
@@ -73,7 +73,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         doc["groups"] = rows = report.summarize(loaded.jobs)
         text = report.table(rows, [(k, h or args.by.upper()) for k, h in SUMMARY])
     if args.plot:
-        from tfimage.agent.usage.plot import plot
+        from tfimage.agent.cli.plot import plot
 
         doc["plot"] = str(
             plot(

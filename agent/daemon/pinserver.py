@@ -9,7 +9,7 @@ reference or a rejected input (spank/submit.c), so the pin server is an
 accelerator: a stopped daemon costs speed, never a submission.
 
 Trust: unlike the daemon's root-only socket, any local user may connect here,
-so a request is one fixed shape and nothing else (agent/wire.py, 4)::
+so a request is one fixed shape and nothing else (agent/core/wire.py, 4)::
 
     submit-check --tf-mount=SPEC --job-image=REF -- REF
 
@@ -18,7 +18,7 @@ peer), bounded in size, parsed by the same strict parsers as everywhere.  The
 pin uses this host's credentials: it reveals only the digest a tag names now,
 which the same user learns by submitting a job, since the nodes pull with the
 same credentials.  What this host saw last for a tag is kept in
-``STATE_DIR/last-seen.json`` (until reboot) for when the registry is down, per user
+``STATE_DIR/last-seen.json`` (core/layout.py) (until reboot) for when the registry is down, per user
 and bounded (submit/lastseen.py): one user pinning a thousand tags pushes out only
 their own.  A lookup may take another user's entry, so it reveals that someone on
 this host pinned that tag, and the digest it named: no more than pinning it reveals.
@@ -31,18 +31,13 @@ a fault): the plugin then pins with the user's own credentials, as before.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from tfimage.agent.config import Config
-from tfimage.agent.errors import InputError, TfimageError
-from tfimage.agent.wire import SubmitCheck
+from tfimage.agent.core import layout
+from tfimage.agent.core.config import Config
+from tfimage.agent.core.errors import InputError, TfimageError
+from tfimage.agent.core.wire import SubmitCheck
 
 MAX_REQUEST = 16384
 RETRY_YOURSELF = 75  # EX_TEMPFAIL: the plugin pins with the user's own view instead
-
-
-def last_seen_store(cfg: Config) -> Path:
-    return Path(cfg.state_dir) / "last-seen.json"
 
 
 def answer(cfg: Config, req: SubmitCheck, uid: int) -> tuple[int, str, str]:
@@ -56,9 +51,8 @@ def answer(cfg: Config, req: SubmitCheck, uid: int) -> tuple[int, str, str]:
     except InputError as e:
         return 2, "", f"tfimage: {e}\n"
     try:
-        pinned, warning = pin(
-            cfg, ref, store=last_seen_store(cfg), job_image=req.job_image or None, uid=uid
-        )
+        store = layout.last_seen(cfg.state_dir)
+        pinned, warning = pin(cfg, ref, store=store, job_image=req.job_image or None, uid=uid)
     except TfimageError as e:
         return RETRY_YOURSELF, "", f"tfimage: {e}\n"
     return 0, f"{pinned}\n", f"tfimage: {warning}\n" if warning else ""

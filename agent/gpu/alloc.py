@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from tfimage.agent.errors import InputError
+from tfimage.agent.core.errors import InputError
 
 MAX_TEXT = 8192
 MAX_GPUS = 1024

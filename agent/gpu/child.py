@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from tfimage.agent.errors import TfimageError
+from tfimage.agent.core.errors import TfimageError
 from tfimage.agent.gpu.probe import NodeReading, Reading, Selection, probe
 
 READY = b"READY\n"

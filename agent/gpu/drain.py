@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import re
 
-from tfimage.agent.errors import InputError, TfimageError
-from tfimage.agent.toolrun import run
+from tfimage.agent.core.errors import InputError, TfimageError
+from tfimage.agent.core.toolrun import run
 
 PREFIX = "tfimage:"
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")

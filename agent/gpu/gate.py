@@ -9,11 +9,8 @@ Warnings and skipped checks are logged.
 
 The baseline (the job's own GPUs' counters, which the epilog turns into the job's
 deltas and checks again) is kept where no
-job's user can reach it::
-
-    <state_dir>/gpu/               0700
-        xid-cursor.json            the XID cursors (xid.py)
-        jobs/<job>.json            {"GPU-...": {"energy_mj": ..., "ecc_sbe": ...}, ...}
+job's user can reach it, ``gpu/jobs/<job>.json`` under ``state_dir`` (core/layout.py;
+``gpu/`` is 0700): ``{"GPU-...": {"energy_mj": ..., "ecc_sbe": ...}, ...}``.
 """
 
 from __future__ import annotations
@@ -27,15 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.config import Config
-from tfimage.agent.errors import NodeFault, TfimageError
-from tfimage.agent.fsutil import read_json, write_json
+from tfimage.agent.core import layout
+from tfimage.agent.core.config import Config
+from tfimage.agent.core.errors import NodeFault, TfimageError
+from tfimage.agent.core.fsutil import read_json, write_json
 from tfimage.agent.gpu import drain as slurm
 from tfimage.agent.gpu import xid
 from tfimage.agent.gpu.child import probe_bounded
 from tfimage.agent.gpu.probe import NodeReading, Reading, Selection
 from tfimage.agent.gpu.verdict import Finding, Verdict, judge
-from tfimage.agent.ids import valid_job_id
 from tfimage.agent.usage import metrics
 
 BASELINE = ("energy_mj", "ecc_sbe", "ecc_dbe", "remapped", "retired_sbe", "retired_dbe")
@@ -93,9 +90,7 @@ def check(
 
 
 def _baseline_path(state_dir: str, job_id: str) -> Path:
-    if not valid_job_id(job_id):
-        raise ValueError(f"invalid job id {job_id!r}")
-    return Path(state_dir) / "gpu" / "jobs" / f"{job_id}.json"
+    return layout.gpu_baseline(state_dir, job_id)
 
 
 def save_baseline(state_dir: str, job_id: str, gpus: list[Reading]) -> Path:

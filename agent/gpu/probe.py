@@ -1,6 +1,7 @@
 """NVML readings of a node's GPUs, one :class:`Reading` per GPU.
 
-The only module that imports ``pynvml`` (nvidia-ml-py).  It loads
+The GPU gate's one user of ``pynvml`` (nvidia-ml-py; ``tfimage doctor`` also loads
+it, apart, only to say why it cannot).  It loads
 ``libnvidia-ml.so.1`` through the normal library search, which is how the tests
 give it a fake library with the state of their choosing (tests/fakenvml/).
 

@@ -12,10 +12,10 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tfimage.agent.core.gpuconfig import GpuPolicy
 from tfimage.agent.gpu.probe import NodeReading, Reading
 from tfimage.agent.gpu.xid import Xid
 from tfimage.agent.gpu.xid import key as bus_key
-from tfimage.agent.gpuconfig import GpuPolicy
 
 # NVML's recovery actions (nvmlDeviceGetFieldValues, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION)
 # that ask for a reset or a reboot: GPU reset, node reboot, drain and reset, bus

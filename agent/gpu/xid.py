@@ -1,13 +1,13 @@
 """Critical XIDs from the kernel log, each reported once, matched to its GPU by PCI id.
 
 NVML's events do not report the past, so the gate reads the kernel's log
-(``/dev/kmsg``: one record per read, ``PRI,SEQ,USEC,FLAGS;TEXT``), where the driver
+(``/dev/kmsg``: one message per read, ``PRI,SEQ,USEC,FLAGS;TEXT``), where the driver
 writes ``NVRM: Xid (PCI:0000:3b:00): 79, pid=..., GPU has fallen off the bus.``
 A cursor per GPU (the last sequence number checked for it) makes a check report
 only what is new since the last check of that GPU; the GPUs a check did not look
 at keep theirs, so a job's prolog never swallows another GPU's XID.
 
-    <state_dir>/gpu/xid-cursor.json    {"boot": BOOT_ID, "seq": {"0000:3b:00": 1234}}
+    gpu/xid-cursor.json (core/layout.py)  {"boot": BOOT_ID, "seq": {"0000:3b:00": 1234}}
 
 Sequence numbers restart at boot, and so do the cursors (the boot id says when).
 The log is the kernel's, but its text is written by whatever a user can make the
@@ -27,14 +27,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tfimage.agent.fsutil import held, write_json
+from tfimage.agent.core import layout
+from tfimage.agent.core.fsutil import held, write_json
 
-MAX_RECORD = 8192  # the kernel's own limit is 1 KiB of text per record
-MAX_RECORDS = 200_000
+MAX_MESSAGE = 8192  # the kernel's own limit is 1 KiB of text per message
+MAX_MESSAGES = 200_000
 MAX_FILE = 64 << 20  # a fixture (a regular file) read at most this far
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
-_RECORD = re.compile(r"(\d{1,3}),(\d{1,20}),(\d{1,20}),[^;]{0,16};(.*)\Z", re.S)
+_MESSAGE = re.compile(r"(\d{1,3}),(\d{1,20}),(\d{1,20}),[^;]{0,16};(.*)\Z", re.S)
 _XID = re.compile(
     r"NVRM: Xid \(PCI:([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\): (\d{1,5}),"
 )
@@ -57,9 +58,9 @@ def key(bus_id: str) -> str:
     return f"{int(m[1], 16):04x}:{int(m[2], 16):02x}:{int(m[3], 16):02x}"
 
 
-def parse_record(record: str) -> Xid | None:
-    """The XID in one kmsg record (its first line), or None."""
-    m = _RECORD.match(record.split("\n", 1)[0][:MAX_RECORD])
+def parse_message(message: str) -> Xid | None:
+    """The XID in one kmsg message (its first line), or None."""
+    m = _MESSAGE.match(message.split("\n", 1)[0][:MAX_MESSAGE])
     # The driver's own line, from the kernel facility (PRI < 8): not a kernel message
     # that quotes a user's text, nor a user's write to /dev/kmsg (facility 1, user).
     if not m or int(m[1]) >= 8:
@@ -71,13 +72,13 @@ def parse_record(record: str) -> Xid | None:
     return Xid(int(m[2]), pci, int(x[4]), m[4].strip()[:300]) if pci else None
 
 
-def records(path: Path) -> Iterator[str]:
+def messages(path: Path) -> Iterator[str]:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
-        if stat.S_ISCHR(os.fstat(fd).st_mode):  # /dev/kmsg: one record per read
-            for _ in range(MAX_RECORDS):
+        if stat.S_ISCHR(os.fstat(fd).st_mode):  # /dev/kmsg: one message per read
+            for _ in range(MAX_MESSAGES):
                 try:
-                    data = os.read(fd, MAX_RECORD)
+                    data = os.read(fd, MAX_MESSAGE)
                 except BlockingIOError:
                     return
                 except OSError as e:
@@ -90,7 +91,7 @@ def records(path: Path) -> Iterator[str]:
         else:
             with os.fdopen(os.dup(fd), "rb") as f:
                 for n, line in enumerate(f):
-                    if n >= MAX_RECORDS or f.tell() > MAX_FILE:
+                    if n >= MAX_MESSAGES or f.tell() > MAX_FILE:
                         return
                     yield line.decode("utf-8", "replace")
     finally:
@@ -98,8 +99,8 @@ def records(path: Path) -> Iterator[str]:
 
 
 def read_xids(path: Path) -> list[Xid]:
-    """Every XID record in the log at ``path``, oldest first."""
-    return [x for x in map(parse_record, records(path)) if x is not None]
+    """Every XID message in the log at ``path``, oldest first."""
+    return [x for x in map(parse_message, messages(path)) if x is not None]
 
 
 def _boot_id() -> str:
@@ -112,11 +113,11 @@ def _boot_id() -> str:
 @contextlib.contextmanager
 def cursor(state_dir: Path, *, save: bool = True) -> Iterator[dict[str, int]]:
     """The cursors by GPU bus, locked for the block and (``save``) saved after it."""
-    d = state_dir / "gpu"
+    path = layout.xid_cursor(state_dir)
+    d = path.parent
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     d.chmod(0o700)
-    path = d / "xid-cursor.json"
-    with held(d / "xid-cursor.lock"):
+    with held(path.with_suffix(".lock")):
         boot = _boot_id()
         seqs: dict[str, int] = {}
         with contextlib.suppress(OSError, ValueError, AttributeError, TypeError, KeyError):

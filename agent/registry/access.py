@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tfimage.agent.config import Config
+from tfimage.agent.core.config import Config
 from tfimage.agent.registry.client import RegistryClient
 
 

@@ -1,22 +1,43 @@
-"""What a SIF artifact's manifest must look like (Apptainer's ORAS shape, or the one
-Singularity < 3.7 pushed with a misspelt layer type), strictly."""
+"""The SIF artifact, wholly: Apptainer's ORAS shape of an OCI image manifest.
+
+One config blob of Apptainer's config media type and exactly one layer, the SIF
+file, named by its title annotation.  This module owns both directions: what a
+pulled manifest must look like (:func:`sif_layer`, strictly; the shape Singularity
+< 3.7 pushed, with its misspelt layer type, too) and what a pushed one looks like
+(:func:`sif_manifest`, for ``RegistryClient.push_sif``).
+"""
 
 from __future__ import annotations
 
-import re
+import json
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from tfimage.agent.errors import VerificationError
-from tfimage.agent.registry.client import (
-    OCI_MANIFEST,
-    SIF_CONFIG,
-    SIF_LAYER,
-    SIF_LAYER_PROTO,
-    Manifest,
-)
+from tfimage.agent.core.errors import VerificationError
+from tfimage.agent.core.ids import valid_digest
+from tfimage.agent.registry.mediatypes import OCI_MANIFEST
 
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}\Z")
+SIF_CONFIG = "application/vnd.sylabs.sif.config.v1+json"
+SIF_LAYER = "application/vnd.sylabs.sif.layer.v1.sif"
+# What Singularity < 3.7 pushed (typo and all; hpcng/singularity#4437).  Apptainer
+# still pulls it, so do we; we push only SIF_LAYER.
+SIF_LAYER_PROTO = "appliciation/vnd.sylabs.sif.layer.tar"
+TITLE = "org.opencontainers.image.title"
+# A SIF's config blob, as pushed: nothing to configure, so an empty JSON object.
+SIF_CONFIG_BLOB = b"{}"
+
 MAX_SIF = 1 << 40
+
+
+class FetchedManifest(Protocol):
+    """What :func:`sif_layer` reads of a manifest (``client.Manifest`` has it): a
+    protocol, as client.py imports this module and an import back would be a cycle."""
+
+    @property
+    def media_type(self) -> str: ...
+
+    @property
+    def body(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +47,7 @@ class SifLayer:
     title: str
 
 
-def sif_layer(m: Manifest) -> SifLayer:
+def sif_layer(m: FetchedManifest) -> SifLayer:
     """The manifest's one SIF layer, or a :class:`VerificationError` naming what is off."""
     if m.media_type not in (OCI_MANIFEST, ""):
         raise VerificationError(f"not a SIF artifact (manifest type {m.media_type!r})")
@@ -41,14 +62,33 @@ def sif_layer(m: Manifest) -> SifLayer:
     if not isinstance(layer, dict) or layer.get("mediaType") not in (SIF_LAYER, SIF_LAYER_PROTO):
         raise VerificationError("the layer is not a SIF file")
     digest, size = layer.get("digest"), layer.get("size")
-    if not isinstance(digest, str) or not _DIGEST.match(digest):
+    if not isinstance(digest, str) or not valid_digest(digest):
         raise VerificationError("the SIF layer has no sha256 digest")
     if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_SIF:
         raise VerificationError("the SIF layer has an impossible size")
     annotations = layer.get("annotations") or {}
-    title = (
-        annotations.get("org.opencontainers.image.title", "")
-        if isinstance(annotations, dict)
-        else ""
-    )
+    title = annotations.get(TITLE, "") if isinstance(annotations, dict) else ""
     return SifLayer(digest, size, str(title))
+
+
+def sif_manifest(config_digest: str, layer_digest: str, layer_size: int, title: str) -> bytes:
+    """The manifest that pushes a SIF (its blobs pushed already): ``config_digest``
+    is :data:`SIF_CONFIG_BLOB`'s, the layer the SIF file named ``title``."""
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": {
+            "mediaType": SIF_CONFIG,
+            "digest": config_digest,
+            "size": len(SIF_CONFIG_BLOB),
+        },
+        "layers": [
+            {
+                "mediaType": SIF_LAYER,
+                "digest": layer_digest,
+                "size": layer_size,
+                "annotations": {TITLE: title},
+            }
+        ],
+    }
+    return json.dumps(manifest, separators=(",", ":")).encode()

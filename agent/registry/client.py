@@ -1,9 +1,12 @@
-"""A small, strict OCI distribution client for Harbor-style registries.
+"""A small, strict OCI distribution client for Harbor-style registries: manifests,
+blobs (whole or by range), tag lists and pushes, with bounded retries and bounded
+answers.
 
 Why not oras-py's ``Registry``?  It sets no timeouts, retries for minutes on a
 wrong password, reuses one token across repositories and does not verify blob
 digests.  This client does all four, and takes an injected ``Transport``
-(registry/transport.py) so tests swap the transport instead of patching.
+(registry/transport.py) so tests swap the transport instead of patching.  How it
+authenticates is auth.py's; what a SIF artifact's manifest looks like, artifact.py's.
 """
 
 from __future__ import annotations
@@ -12,13 +15,12 @@ import hashlib
 import json
 import re
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from tfimage.agent.errors import (
+from tfimage.agent.core.errors import (
     ImageNotFound,
     RangeUnsupported,
     RegistryError,
@@ -26,9 +28,11 @@ from tfimage.agent.errors import (
     RegistryUnreachable,
     VerificationError,
 )
-from tfimage.agent.logtext import oneline
-from tfimage.agent.reference import is_tag
+from tfimage.agent.core.reference import is_tag
+from tfimage.agent.registry.artifact import SIF_CONFIG_BLOB, sif_manifest
+from tfimage.agent.registry.auth import HostAuth
 from tfimage.agent.registry.credentials import Credential
+from tfimage.agent.registry.mediatypes import DOCKER_LIST, DOCKER_MANIFEST, OCI_INDEX, OCI_MANIFEST
 from tfimage.agent.registry.transport import (
     RedirectRefused,
     Response,
@@ -36,26 +40,15 @@ from tfimage.agent.registry.transport import (
     Transport,
     TransportError,
     TransportTimeout,
+    brief,
+    read_capped,
 )
 
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
-DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
 MANIFEST_ACCEPT = ", ".join((OCI_MANIFEST, OCI_INDEX, DOCKER_MANIFEST, DOCKER_LIST))
-
-SIF_CONFIG = "application/vnd.sylabs.sif.config.v1+json"
-SIF_LAYER = "application/vnd.sylabs.sif.layer.v1.sif"
-# What Singularity < 3.7 pushed (typo and all; hpcng/singularity#4437).  Apptainer
-# still pulls it, so do we; we push only SIF_LAYER.
-SIF_LAYER_PROTO = "appliciation/vnd.sylabs.sif.layer.tar"
 
 MAX_MANIFEST = 4 << 20
 CHUNK = 1 << 20
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
-_CHALLENGE = re.compile(r'(\w+)="([^"]*)"')
-# What a token may be: it goes into a header line, so nothing that could end one.
-_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{1,16384}\Z")
 # A tag list's next page (distribution's Link header); anything else ends the list.
 _NEXT_PAGE = re.compile(
     r'<(/v2/[A-Za-z0-9._/-]+/tags/list\?[A-Za-z0-9._%=&-]{1,512})>;\s*rel="next"\Z'
@@ -100,14 +93,12 @@ class BlobReader:
                 got += n
         except TransportTimeout as e:
             if not got:
-                raise RegistryStalled(f"{self._host}: download stalled: {_short(e)}") from None
+                raise RegistryStalled(f"{self._host}: download stalled: {brief(e)}") from None
             self.left -= got
             return got
         except TransportError as e:
             if not got:
-                raise RegistryUnreachable(
-                    f"{self._host}: download broke off: {_short(e)}"
-                ) from None
+                raise RegistryUnreachable(f"{self._host}: download broke off: {brief(e)}") from None
             self.left -= got
             return got  # what came before the break counts; the next call raises
         self.left -= got
@@ -126,7 +117,7 @@ class BlobReader:
 
 
 class RegistryClient:
-    """One registry host.  Tokens are cached per repository scope."""
+    """One registry host.  Its tokens are cached per repository scope (auth.py)."""
 
     def __init__(
         self,
@@ -144,7 +135,6 @@ class RegistryClient:
     ) -> None:
         self.host = host
         self.credential = credential
-        self._cred = credential
         self._base = f"{scheme}://{host}/v2"
         self._timeout = (connect_timeout, read_timeout)
         self._attempts = max(1, attempts)
@@ -154,13 +144,15 @@ class RegistryClient:
             transport = RequestsTransport()
         self._transport = transport
         self._verify: str | bool = ca_bundle or True
-        self._tokens: dict[str, str] = {}
-        self._basic = False
         self._sleep = sleep
-        # Token services the credentials may go to, by host and port: this
-        # registry's own, and those the admin allowed (config token_realms, where a
-        # host without a port means 443).
-        self._realms = {_host_port(host), *(_host_port(r) for r in token_realms)}
+        self._auth = HostAuth(
+            host,
+            credential,
+            transport=transport,
+            timeout=self._timeout,
+            verify=self._verify,
+            token_realms=token_realms,
+        )
 
     # -- transport ---------------------------------------------------------------
 
@@ -170,37 +162,34 @@ class RegistryClient:
         attempt = 0
         while True:
             headers = dict(kw.pop("headers", None) or {})
-            if scope in self._tokens:
-                headers["Authorization"] = f"Bearer {self._tokens[scope]}"
-            auth = (
-                (self._cred.username, self._cred.password) if self._basic and self._cred else None
-            )
+            if (bearer := self._auth.bearer(scope)) is not None:
+                headers["Authorization"] = bearer
             try:
                 resp = self._transport.request(
                     method,
                     url,
                     headers=headers,
-                    auth=auth,
+                    auth=self._auth.basic(),
                     timeout=self._timeout,
                     verify=self._verify,
                     **kw,
                 )
             except TLSError as e:
-                raise RegistryError(f"{self.host}: TLS verification failed: {_short(e)}") from None
+                raise RegistryError(f"{self.host}: TLS verification failed: {brief(e)}") from None
             except RedirectRefused as e:
-                raise RegistryError(f"{self.host}: {_short(e)}") from None
+                raise RegistryError(f"{self.host}: {brief(e)}") from None
             except TransportTimeout as e:  # stalled: asking again costs as much again
-                raise RegistryStalled(f"{self.host}: no answer: {_short(e)}") from None
+                raise RegistryStalled(f"{self.host}: no answer: {brief(e)}") from None
             except TransportError as e:
                 attempt += 1
                 if attempt >= self._attempts:
-                    raise RegistryUnreachable(f"{self.host}: unreachable: {_short(e)}") from None
+                    raise RegistryUnreachable(f"{self.host}: unreachable: {brief(e)}") from None
                 self._backoff(attempt)
                 kw["headers"] = headers
                 continue
             if resp.status_code == 401 and not authed_once:
                 authed_once = True
-                self._authenticate(resp, scope)
+                self._auth.answer(resp, scope)
                 resp.close()
                 kw["headers"] = headers
                 continue
@@ -225,59 +214,6 @@ class RegistryClient:
         if retry_after and retry_after.isdigit():
             delay = min(float(retry_after), 5.0)
         self._sleep(delay)
-
-    def _authenticate(self, resp: Response, scope: str) -> None:
-        challenge = resp.headers.get("WWW-Authenticate", "")
-        kind = challenge.split(" ", 1)[0].lower()
-        if kind == "basic":
-            if not self._cred:
-                raise RegistryError(f"{self.host}: requires credentials and none are configured")
-            self._basic = True
-            return
-        if kind != "bearer":
-            raise RegistryError(f"{self.host}: unsupported auth challenge {kind!r}")
-        params = dict(_CHALLENGE.findall(challenge))
-        realm = params.get("realm")
-        if not realm or not realm.startswith("https://"):
-            raise RegistryError(f"{self.host}: bearer realm must be https")
-        realm_host = _host_port(urllib.parse.urlsplit(realm).netloc)
-        if self._cred and realm_host not in self._realms:
-            # The password goes to the registry's own host, or a token service the
-            # admin named; a registry's answer never sends it elsewhere.
-            raise RegistryError(
-                f"{self.host}: its token service is on another host "
-                f"({oneline(realm_host, 80)}); not sending it the credentials "
-                "(an admin may allow it: token_realms in the config)"
-            )
-        query = {"service": params.get("service", ""), "scope": params.get("scope", scope)}
-        auth = (self._cred.username, self._cred.password) if self._cred else None
-        sep = "&" if "?" in realm else "?"
-        try:
-            with self._transport.request(
-                "GET",
-                realm + sep + urllib.parse.urlencode(query),
-                headers={},
-                auth=auth,
-                timeout=self._timeout,
-                verify=self._verify,
-            ) as tok:
-                if tok.status_code != 200:
-                    raise RegistryError(f"{self.host}: token service refused ({tok.status_code})")
-                raw = _read_capped(tok, 1 << 20, "token")
-        except RedirectRefused as e:
-            raise RegistryError(f"{self.host}: token service: {_short(e)}") from None
-        except TransportError as e:
-            raise RegistryError(f"{self.host}: token service unreachable: {_short(e)}") from None
-        except VerificationError:
-            raise RegistryError(f"{self.host}: token service sent too much") from None
-        try:
-            body = json.loads(raw)
-            token = body.get("token") or body["access_token"]
-        except (ValueError, KeyError, AttributeError):
-            raise RegistryError(f"{self.host}: token service sent no token") from None
-        if not isinstance(token, str) or not _TOKEN.match(token):
-            raise RegistryError(f"{self.host}: token service sent an unusable token")
-        self._tokens[scope] = token
 
     # -- reading -----------------------------------------------------------------
 
@@ -322,10 +258,10 @@ class RegistryClient:
                     f"{self.host}/{repository}: {what} request failed ({resp.status_code})"
                 )
             try:
-                return _read_capped(resp, MAX_MANIFEST, what)
+                return read_capped(resp, MAX_MANIFEST, what)
             except TransportError as e:
                 raise RegistryUnreachable(
-                    f"{self.host}: {what} read broke off: {_short(e)}"
+                    f"{self.host}: {what} read broke off: {brief(e)}"
                 ) from None
 
     def tags(self, repository: str, *, pages: int = 5, per_page: int = 1000) -> list[str]:
@@ -474,24 +410,11 @@ class RegistryClient:
         return sha256_digest(raw)
 
     def push_sif(self, repository: str, tag: str, sif: Path) -> str:
-        """Push ``sif`` in Apptainer's ORAS shape; returns the manifest digest."""
-        config = b"{}"
-        config_digest = self.push_bytes(repository, config)
+        """Push ``sif`` in Apptainer's ORAS shape (artifact.py); returns the manifest
+        digest."""
+        config_digest = self.push_bytes(repository, SIF_CONFIG_BLOB)
         layer_digest, layer_size = self.push_blob(repository, sif)
-        manifest = {
-            "schemaVersion": 2,
-            "mediaType": OCI_MANIFEST,
-            "config": {"mediaType": SIF_CONFIG, "digest": config_digest, "size": len(config)},
-            "layers": [
-                {
-                    "mediaType": SIF_LAYER,
-                    "digest": layer_digest,
-                    "size": layer_size,
-                    "annotations": {"org.opencontainers.image.title": sif.name},
-                }
-            ],
-        }
-        raw = json.dumps(manifest, separators=(",", ":")).encode()
+        raw = sif_manifest(config_digest, layer_digest, layer_size, sif.name)
         return self.push_manifest(repository, tag, raw, OCI_MANIFEST)
 
 
@@ -508,30 +431,3 @@ class _FileBody:
     def __iter__(self) -> Iterator[bytes]:
         while chunk := self._f.read(CHUNK):
             yield chunk
-
-
-def _read_capped(resp: Response, cap: int, what: str) -> bytes:
-    length = resp.headers.get("Content-Length")
-    if length and length.isdigit() and int(length) > cap:
-        raise VerificationError(f"{what} is larger than {cap} bytes")
-    buf = bytearray()
-    for chunk in iter(lambda: resp.read(65536), b""):
-        buf += chunk
-        if len(buf) > cap:
-            raise VerificationError(f"{what} is larger than {cap} bytes")
-    return bytes(buf)
-
-
-def _host_port(netloc: str) -> str:
-    """``host:port`` of a registry or realm (port 443 when none is given)."""
-    parts = urllib.parse.urlsplit(f"//{netloc}")
-    try:
-        port = parts.port or 443
-    except ValueError:
-        port = 0
-    return f"{parts.hostname or netloc}:{port}"
-
-
-def _short(e: BaseException) -> str:
-    text = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return text if len(text) < 160 else text[:157] + "..."

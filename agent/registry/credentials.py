@@ -17,7 +17,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from tfimage.agent.errors import CredentialsError
+from tfimage.agent.core.errors import CredentialsError
 
 
 @dataclass(frozen=True, slots=True)

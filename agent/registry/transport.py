@@ -1,8 +1,11 @@
-"""HTTP transports for the registry client: one interface, two implementations.
+"""HTTP transports for the registry client: one interface, two implementations, and
+what reads their answers (a bounded body, an error's text).
 
 ``RegistryClient`` talks to a ``Transport``; tests and callers inject one instead of
 patching.  Both raise only ``TransportError`` (``TLSError`` for certificate trouble),
-so the client never sees a library's own exception types.
+so the client never sees a library's own exception types.  The redirect rules are
+``Transport.request``'s, once for both; each implementation says only how one
+exchange goes.
 
 - ``StdlibTransport``: ``http.client`` + ``ssl``, nothing else imported.  For all a
   node does: pinning a tag at submit (on the job-launch path, where ``import
@@ -15,6 +18,7 @@ Neither reads proxies or netrc from the environment: only what the config says.
 
 from __future__ import annotations
 
+import abc
 import base64
 import functools
 import http.client
@@ -22,7 +26,10 @@ import os
 import ssl
 import urllib.parse
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, Self
+
+from tfimage.agent.core.errors import VerificationError
 
 Body = bytes | Iterable[bytes] | None
 
@@ -103,7 +110,37 @@ class Response(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
-class Transport(Protocol):
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+# Only these are followed: another method's body would have to be sent again.
+_FOLLOWED = ("GET", "HEAD")
+
+
+@dataclass(slots=True)
+class _Hop:
+    """One request as the redirect loop sends it, hop after hop (it changes the URL
+    and, off-host, drops the credentials)."""
+
+    method: str
+    url: str
+    headers: dict[str, str]
+    auth: tuple[str, str] | None
+    timeout: tuple[float, float]
+    verify: str | bool
+    data: Body
+
+
+@dataclass(frozen=True, slots=True)
+class _Redirect:
+    """An answer that is a redirect to follow; its response is already let go of."""
+
+    location: str
+
+
+class Transport(abc.ABC):
+    """What ``RegistryClient`` sends through.  A base class, not a protocol, so both
+    implementations share one redirect loop: one set of rules for where a request and
+    its credentials may go."""
+
     def request(
         self,
         method: str,
@@ -114,7 +151,50 @@ class Transport(Protocol):
         timeout: tuple[float, float],
         verify: str | bool,
         data: Body = None,
-    ) -> Response: ...
+    ) -> Response:
+        """Send, following redirects (at most 5) as :func:`redirect` allows:
+        credentials only to the same host."""
+        hop = _Hop(method, url, self._headers(headers, auth), auth, timeout, verify, data)
+        for _ in range(MAX_REDIRECTS + 1):
+            answer = self._exchange(hop)
+            if not isinstance(answer, _Redirect):
+                return answer
+            hop.url, same = redirect(hop.url, answer.location)
+            if not same:  # never un-done: a later hop back gets none either
+                hop.auth = None
+                hop.headers.pop("Authorization", None)
+        raise TransportError("too many redirects")
+
+    @abc.abstractmethod
+    def _headers(self, headers: Mapping[str, str], auth: tuple[str, str] | None) -> dict[str, str]:
+        """The headers every hop sends."""
+
+    @abc.abstractmethod
+    def _exchange(self, hop: _Hop) -> Response | _Redirect:
+        """One request, one answer.  A redirect to follow is let go of here: whether
+        its body is drained or its connection dropped is the implementation's call."""
+
+
+def read_capped(resp: Response, cap: int, what: str) -> bytes:
+    """The whole body, refused (:class:`VerificationError`) once over ``cap`` bytes,
+    as announced or as it comes: a small answer (manifest, tag list, token) must not
+    fill memory.  A read that broke off raises ``TransportError``."""
+    length = resp.headers.get("Content-Length")
+    if length and length.isdigit() and int(length) > cap:
+        raise VerificationError(f"{what} is larger than {cap} bytes")
+    buf = bytearray()
+    for chunk in iter(lambda: resp.read(65536), b""):
+        buf += chunk
+        if len(buf) > cap:
+            raise VerificationError(f"{what} is larger than {cap} bytes")
+    return bytes(buf)
+
+
+def brief(e: BaseException) -> str:
+    """What a registry error quotes of a transport's: its first line, bounded, as
+    it goes on to a user's terminal and the logs."""
+    text = _first_line(e)
+    return text if len(text) < 160 else text[:157] + "..."
 
 
 def basic_auth(auth: tuple[str, str]) -> str:
@@ -175,9 +255,6 @@ class _StdlibResponse(_Closing):
         self._resp.close()
 
 
-_REDIRECTS = frozenset({301, 302, 303, 307, 308})
-
-
 def tls_context(verify: str | bool) -> ssl.SSLContext:
     """The TLS context for ``verify`` (a CA bundle, True for the system's, False for
     none), made once per process and bundle: loading a bundle costs ~2 ms a
@@ -201,9 +278,8 @@ def _tls_context(verify: str | bool, _version: tuple[int, int, int] | None) -> s
     return ctx
 
 
-class StdlibTransport:
-    """``http.client`` with one kept-alive connection per host; follows redirects
-    (at most 5) as :func:`redirect` allows, credentials only to the same host."""
+class StdlibTransport(Transport):
+    """``http.client`` with one kept-alive connection per host."""
 
     def __init__(self) -> None:
         self._conns: dict[tuple[str, str, str | bool], http.client.HTTPConnection] = {}
@@ -222,65 +298,54 @@ class StdlibTransport:
             self._conns[key] = conn
         return conn
 
-    def request(
-        self,
-        method: str,
-        url: str,
-        *,
-        headers: Mapping[str, str],
-        auth: tuple[str, str] | None,
-        timeout: tuple[float, float],
-        verify: str | bool,
-        data: Body = None,
-    ) -> Response:
+    def _headers(self, headers: Mapping[str, str], auth: tuple[str, str] | None) -> dict[str, str]:
         hdrs = dict(headers)
+        # Basic credentials travel as a header, which the redirect loop drops off-host.
         if auth and "Authorization" not in hdrs:
             hdrs["Authorization"] = basic_auth(auth)
-        for _ in range(MAX_REDIRECTS + 1):
-            parts = urllib.parse.urlsplit(url)
-            path = parts.path + (f"?{parts.query}" if parts.query else "")
-            conn = self._conn(parts.scheme, parts.netloc, timeout, verify)
-            connected = False
-            try:
-                if conn.sock is None:
-                    conn.connect()
-                    sock: Any = conn.sock  # connect() timed out at timeout[0]; reads get theirs
-                    sock.settimeout(timeout[1])
-                connected = True
-                conn.request(method, path or "/", body=data, headers=hdrs)
-                resp = conn.getresponse()
-            except ssl.SSLCertVerificationError as e:
-                conn.close()
-                raise TLSError(e.verify_message or str(e)) from None
-            except ssl.SSLError as e:
-                conn.close()
-                raise TLSError(str(e)) from None
-            except (OSError, http.client.HTTPException, ValueError) as e:
-                # ValueError: http.client refusing what an answer led to (a URL or a
-                # header it will not send): the registry's fault, not ours.  Only a
-                # timeout once connected is a stall: connecting (TCP, TLS handshake)
-                # is asked again, as a registry with a full accept queue may answer.
-                conn.close()
-                if not connected:
-                    raise TransportError(str(e) or type(e).__name__) from None
-                raise _failed(e) from None
-            if resp.status in _REDIRECTS and method in ("GET", "HEAD"):
-                location = resp.getheader("Location", "")
-                # A redirect's body is nothing we want: a small one is drained (the
-                # connection stays usable), anything else drops the connection.
-                if resp.length is not None and resp.length <= 65536 and not resp.will_close:
-                    resp.read()
-                else:
-                    conn.close()
-                resp.close()
-                url, same = redirect(url, location)
-                if not same:  # never un-done: a later hop back gets none either
-                    hdrs.pop("Authorization", None)
-                continue
-            if method == "HEAD":
+        return hdrs
+
+    def _exchange(self, hop: _Hop) -> Response | _Redirect:
+        parts = urllib.parse.urlsplit(hop.url)
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        conn = self._conn(parts.scheme, parts.netloc, hop.timeout, hop.verify)
+        connected = False
+        try:
+            if conn.sock is None:
+                conn.connect()
+                sock: Any = conn.sock  # connect() timed out at timeout[0]; reads get theirs
+                sock.settimeout(hop.timeout[1])
+            connected = True
+            conn.request(hop.method, path or "/", body=hop.data, headers=hop.headers)
+            resp = conn.getresponse()
+        except ssl.SSLCertVerificationError as e:
+            conn.close()
+            raise TLSError(e.verify_message or str(e)) from None
+        except ssl.SSLError as e:
+            conn.close()
+            raise TLSError(str(e)) from None
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            # ValueError: http.client refusing what an answer led to (a URL or a
+            # header it will not send): the registry's fault, not ours.  Only a
+            # timeout once connected is a stall: connecting (TCP, TLS handshake)
+            # is asked again, as a registry with a full accept queue may answer.
+            conn.close()
+            if not connected:
+                raise TransportError(str(e) or type(e).__name__) from None
+            raise _failed(e) from None
+        if resp.status in _REDIRECTS and hop.method in _FOLLOWED:
+            location = resp.getheader("Location", "")
+            # A redirect's body is nothing we want: a small one is drained (the
+            # connection stays usable), anything else drops the connection.
+            if resp.length is not None and resp.length <= 65536 and not resp.will_close:
                 resp.read()
-            return _StdlibResponse(resp, conn)
-        raise TransportError("too many redirects")
+            else:
+                conn.close()
+            resp.close()
+            return _Redirect(location)
+        if hop.method == "HEAD":
+            resp.read()
+        return _StdlibResponse(resp, conn)
 
 
 # -- requests -------------------------------------------------------------------------
@@ -333,7 +398,7 @@ class _RequestsResponse(_Closing):
         self._resp.close()
 
 
-class RequestsTransport:
+class RequestsTransport(Transport):
     """A pooled ``requests.Session`` (or the one given)."""
 
     def __init__(self, session: Any = None) -> None:
@@ -342,51 +407,38 @@ class RequestsTransport:
         self._session = session or requests.Session()
         self._session.trust_env = False
 
-    def request(
-        self,
-        method: str,
-        url: str,
-        *,
-        headers: Mapping[str, str],
-        auth: tuple[str, str] | None,
-        timeout: tuple[float, float],
-        verify: str | bool,
-        data: Body = None,
-    ) -> Response:
+    def _headers(self, headers: Mapping[str, str], auth: tuple[str, str] | None) -> dict[str, str]:
+        # Raw bytes, as they are stored: a blob's digest is of those, not of a decoding.
+        return {"Accept-Encoding": "identity", **headers}
+
+    def _exchange(self, hop: _Hop) -> Response | _Redirect:
         import requests
 
-        hdrs = {"Accept-Encoding": "identity", **headers}
-        for _ in range(MAX_REDIRECTS + 1):
-            try:
-                resp = self._session.request(
-                    method,
-                    url,
-                    headers=hdrs,
-                    auth=auth,
-                    timeout=timeout,
-                    verify=verify,
-                    allow_redirects=False,  # followed here, by redirect()'s rules
-                    stream=True,
-                    data=data,
-                )
-            except requests.exceptions.SSLError as e:
-                raise TLSError(_first_line(e)) from None
-            except requests.ConnectTimeout as e:  # connecting is asked again
-                raise TransportError(_first_line(e)) from None
-            except requests.Timeout as e:
-                raise TransportTimeout(_first_line(e)) from None
-            except requests.RequestException as e:  # connection and the rest
-                raise TransportError(_first_line(e)) from None
-            if resp.status_code in _REDIRECTS and method in ("GET", "HEAD"):
-                location = resp.headers.get("Location", "")
-                resp.close()
-                url, same = redirect(url, location)
-                if not same:
-                    auth = None
-                    hdrs.pop("Authorization", None)
-                continue
-            return _RequestsResponse(resp)
-        raise TransportError("too many redirects")
+        try:
+            resp = self._session.request(
+                hop.method,
+                hop.url,
+                headers=hop.headers,
+                auth=hop.auth,
+                timeout=hop.timeout,
+                verify=hop.verify,
+                allow_redirects=False,  # followed by Transport.request, by redirect()'s rules
+                stream=True,
+                data=hop.data,
+            )
+        except requests.exceptions.SSLError as e:
+            raise TLSError(_first_line(e)) from None
+        except requests.ConnectTimeout as e:  # connecting is asked again
+            raise TransportError(_first_line(e)) from None
+        except requests.Timeout as e:
+            raise TransportTimeout(_first_line(e)) from None
+        except requests.RequestException as e:  # connection and the rest
+            raise TransportError(_first_line(e)) from None
+        if resp.status_code in _REDIRECTS and hop.method in _FOLLOWED:
+            location = resp.headers.get("Location", "")
+            resp.close()
+            return _Redirect(location)
+        return _RequestsResponse(resp)
 
 
 def _first_line(e: BaseException) -> str:

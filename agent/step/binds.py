@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from tfimage.agent.errors import BindError
+from tfimage.agent.core.errors import BindError
 from tfimage.agent.step.runtime import Bind
 
 MAX_BINDS = 32
@@ -47,13 +47,13 @@ def parse_binds(text: str, allowed_prefixes: tuple[str, ...]) -> list[Bind]:
         parts = spec.split(":")
         if len(parts) not in (2, 3) or any(not p for p in parts):
             raise BindError(f"--tf-mount {spec!r}: expected SRC:DST or SRC:DST:ro|rw")
-        src, dst = _path(parts[0], "source", spec), _path(parts[1], "destination", spec)
+        src, dst = _path(parts[0], "host path", spec), _path(parts[1], "destination", spec)
         mode = parts[2] if len(parts) == 3 else "rw"
         if mode not in ("ro", "rw"):
             raise BindError(f"--tf-mount {spec!r}: mode must be ro or rw, not {mode!r}")
         if not any(under(src, p) for p in allowed_prefixes):
             raise BindError(
-                f"--tf-mount {spec!r}: source {src} is outside the allowed prefixes "
+                f"--tf-mount {spec!r}: host path {src} is outside the allowed prefixes "
                 f"({', '.join(allowed_prefixes) or 'none configured'})"
             )
         if any(under(r, dst) or (r != "/" and under(dst, r)) for r in _RESERVED):
@@ -68,7 +68,7 @@ def parse_binds(text: str, allowed_prefixes: tuple[str, ...]) -> list[Bind]:
 
 
 def parse_site_binds(site_binds: tuple[str, ...]) -> list[Bind]:
-    """The admin's ``default_binds``: parsed as strictly, from any source (the admin's)."""
+    """The admin's ``default_binds``: parsed as strictly, whoever wrote them (the admin)."""
     return parse_binds(",".join(site_binds), ("/",))
 
 

@@ -36,8 +36,8 @@ import shutil
 import stat
 from collections.abc import Iterable
 
-from tfimage.agent import toolrun
-from tfimage.agent.errors import RuntimeSetupError
+from tfimage.agent.core import toolrun
+from tfimage.agent.core.errors import RuntimeSetupError
 from tfimage.agent.step import elfname
 from tfimage.agent.step.runtime import Bind
 

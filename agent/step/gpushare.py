@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from tfimage.agent.errors import InputError
+from tfimage.agent.core.errors import InputError
 from tfimage.agent.gpu.alloc import parse_gpus
 
 LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"

@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-from tfimage.agent.errors import StepLayoutError
-from tfimage.agent.logtext import oneline
+from tfimage.agent.core.errors import StepLayoutError
+from tfimage.agent.core.logtext import oneline
 
 MAX_HOSTS = 65536
 # A host name is at most 255 bytes (HOST_NAME_MAX); a layout variable, as Slurm

@@ -1,23 +1,16 @@
 """Image and step mounts on a node, for runtimes that need a mounted root filesystem.
 
-Under ``state_dir/`` (root-owned)::
-
-    images/sha256-<hex>/  the SIF's squashfs partition (ro,nosuid,nodev), one mount
-                          per image on the node, shared by every job using it, by
-                          the first driver of the config's image_mount that works
-                          here: the kernel's squashfs on a loop device (freed with
-                          the mount), squashfuse_ll or squashfuse
-    images/sha256-<hex>.lock   serialises mounting and unmounting that image
-    jobs/<jobid>/img-<hex12>/  the same, private to one job: only when a step must
-                          mount by itself from inside a job's cgroup, where a FUSE
-                          process would die with the job or step (Slurm kills what
-                          is left in it) and take another job's image with it
-    jobs/<jobid>/step-<stepid>/skel/   empty directories to bind host paths onto (0755),
-                          empty files for a GPU step's driver (0644), and the
-                          batch step's stand-ins for Slurm's commands (0755,
-                          slurmstubs.py)
-    step-<stepid>/root/   overlay of skel over the image (ro,nosuid,nodev):
-                          what ch-run runs
+Where each lies under ``state_dir`` is core/layout.py's: ``images/sha256-<hex>/``,
+the SIF's squashfs partition (ro,nosuid,nodev), one mount per image on the node,
+shared by every job using it, by the first driver of the config's image_mount that
+works here: the kernel's squashfs on a loop device (freed with the mount),
+squashfuse_ll or squashfuse; ``jobs/<job>/img-<hex12>/``, the same private to one
+job: only when a step must mount by itself from inside a job's cgroup, where a FUSE
+process would die with the job or step (Slurm kills what is left in it) and take
+another job's image with it; and per step, ``skel/`` (empty directories to bind host
+paths onto, 0755; empty files for a GPU step's driver, 0644; the batch step's
+stand-ins for Slurm's commands, 0755, slurmstubs.py) and ``root/``, the overlay of
+skel over the image (ro,nosuid,nodev) that ch-run runs.
 
 A shared mount is counted by the image's holders in the cache (store.py): the
 epilog unmounts it when no running job holds the image, under the image's lock,
@@ -51,11 +44,10 @@ import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from tfimage.agent import toolrun
-from tfimage.agent.errors import RuntimeSetupError
-from tfimage.agent.fsutil import held
-from tfimage.agent.ids import valid_job_id, valid_step_id
-from tfimage.agent.sif import root_partition
+from tfimage.agent.core import layout, toolrun
+from tfimage.agent.core.errors import RuntimeSetupError
+from tfimage.agent.core.fsutil import held
+from tfimage.agent.core.sif import root_partition
 
 MOUNT_TIMEOUT = 30.0
 # Every mount tfimage makes: read-only, and never a setuid file or device from an image.
@@ -66,10 +58,16 @@ TRAVERSE_ONLY = 0o711
 log = logging.getLogger("tfimage.mount")
 
 
+def _path(where: Callable[[], Path]) -> Path:
+    """A layout path, its id or digest refused as the step's setup error."""
+    try:
+        return where()
+    except ValueError as e:
+        raise RuntimeSetupError(str(e)) from None
+
+
 def job_dir(state_dir: str, job_id: str) -> Path:
-    if not valid_job_id(job_id):
-        raise RuntimeSetupError(f"invalid job id {job_id!r}")
-    return Path(state_dir) / "jobs" / job_id
+    return _path(lambda: layout.job_dir(state_dir, job_id))
 
 
 def safe_abspath(path: str, what: str) -> str:
@@ -88,9 +86,9 @@ def safe_abspath(path: str, what: str) -> str:
 @contextlib.contextmanager
 def job_lock(state_dir: str, job_id: str) -> Iterator[None]:
     """Serialise the mounts of one job: its steps may start at the same moment."""
-    base = job_dir(state_dir, job_id)
-    _mkdirs(Path(state_dir), base.parent, TRAVERSE_ONLY)
-    with held(Path(f"{base}.lock")):
+    lock = _path(lambda: layout.job_lock(state_dir, job_id))
+    _mkdirs(Path(state_dir), lock.parent, TRAVERSE_ONLY)
+    with held(lock):
         yield
 
 
@@ -125,17 +123,13 @@ def _mkdirs(state_dir: Path, path: Path, mode: int = 0o755) -> None:
         os.close(fd)
 
 
-_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 # A Slurm job's cgroup, v1 (/slurm/uid_1/job_2/step_0) or v2
 # (/system.slice/slurmstepd.scope/job_2/step_0/...).
 _JOB_CGROUP = re.compile(r"/job_[0-9]+(/|$)")
 
 
 def shared_dir(state_dir: str, digest: str) -> Path:
-    m = _DIGEST.fullmatch(digest)
-    if not m:
-        raise RuntimeSetupError(f"invalid image digest {digest[:80]!r}")
-    return Path(state_dir) / "images" / f"sha256-{m.group(1)}"
+    return _path(lambda: layout.image_mount(state_dir, digest))
 
 
 def in_job_cgroup(proc_cgroup: str = "/proc/self/cgroup") -> bool:
@@ -178,7 +172,7 @@ def mount_image(
             _unmount(shared)  # a dead FUSE mount: its process was killed
             return _mount(state_dir, shared, sif, drivers)
     # Inside a job's cgroup: a mount of its own, which goes when the job does.
-    private = job_dir(state_dir, job_id) / f"img-{digest.split(':')[1][:12]}"
+    private = _path(lambda: layout.job_image_mount(state_dir, job_id, digest))
     with job_lock(state_dir, job_id):
         if mounted(private) and _alive(private):
             return private
@@ -254,9 +248,7 @@ def step_root(
 ) -> Path:
     """A read-only overlay of the image with ``mountpoints`` present as directories,
     ``files`` as empty files and ``scripts`` ({path: text}) as executables."""
-    if not valid_step_id(step_id):
-        raise RuntimeSetupError(f"invalid step id {step_id!r}")
-    base = job_dir(state_dir, job_id) / f"step-{step_id}"
+    base = _path(lambda: layout.step_dir(state_dir, job_id, step_id))
     root = base / "root"
     skel = base / "skel"
     wanted = [safe_abspath(p, "mount point").lstrip("/") for p in mountpoints]
@@ -331,7 +323,7 @@ def release_job(state_dir: str, job_id: str) -> list[str]:
             stuck.append(target)
     if base.exists() and not any(mounted(Path(t)) for t in targets):
         shutil.rmtree(base, ignore_errors=True)
-    for leftover in (f"{base}.lock", f"{base}.images.json"):
+    for leftover in (layout.job_lock(state_dir, job_id), layout.job_images(state_dir, job_id)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(leftover)
     return stuck
@@ -343,15 +335,13 @@ def release_images(state_dir: str, in_use: Callable[[str], bool]) -> list[str]:
     that were busy all the same (detached lazily: a process left in the image).
     An image whose lock another holds (a job mounting it, or one stuck on a hung
     FUSE process) is left to the next epilog: an epilog never waits on it."""
-    base = Path(state_dir) / "images"
+    base = layout.mounts_dir(state_dir)
     with open("/proc/self/mountinfo") as f:
         targets = sorted({Path(t) for line in f if (t := line.split()[4]).startswith(f"{base}/")})
     stuck = []
     for target in targets:
-        digest = f"sha256:{target.name.removeprefix('sha256-')}"
-        if target.parent != base or not target.name.startswith("sha256-"):
-            continue
-        if not _DIGEST.fullmatch(digest):
+        digest = layout.digest_of_key(target.name)
+        if target.parent != base or digest is None or layout.key(digest) != target.name:
             continue
         try:
             with held(Path(f"{target}.lock"), blocking=False):

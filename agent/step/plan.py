@@ -13,23 +13,24 @@ import pwd
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tfimage.agent import wire
-from tfimage.agent.cache.store import CachedImage, ImageCache
-from tfimage.agent.config import Config
-from tfimage.agent.errors import (
+from tfimage.agent.cache.pull import CachedImage, Puller
+from tfimage.agent.cache.store import ImageCache
+from tfimage.agent.core import wire
+from tfimage.agent.core.config import Config
+from tfimage.agent.core.errors import (
     BindError,
     ImageError,
     RuntimeSetupError,
     StepLayoutError,
     TfimageError,
 )
-from tfimage.agent.logtext import oneline
+from tfimage.agent.core.logtext import oneline
 from tfimage.agent.step import imagemount, slurmstubs
 from tfimage.agent.step.binds import parse_site_binds, parse_user_binds, under
 from tfimage.agent.step.gpudriver import LIB_DIR as DRIVER_LIB_DIR
 from tfimage.agent.step.gpudriver import driver_binds
 from tfimage.agent.step.gpushare import LIMIT, mps_memory_limit
-from tfimage.agent.step.jobrecord import JobRecord
+from tfimage.agent.step.jobimages import JobImages
 from tfimage.agent.step.runtime import Bind, Runtime, StepSpec, runtime_for
 from tfimage.agent.step.taskenv import step_task_envs
 from tfimage.agent.step.userpath import realpaths_as
@@ -57,8 +58,8 @@ class StepPlan:
 
     argv: list[str]
     env: dict[int, dict[str, str]]
-    # --tf-mount sources, checked by each task as the user (never followed as root)
-    sources: list[str] = field(default_factory=list)
+    # --tf-mount host paths, checked by each task as the user (never followed as root)
+    host_paths: list[str] = field(default_factory=list)
 
 
 def step_env(cfg: Config, req: StepRequest) -> dict[int, dict[str, str]]:
@@ -97,18 +98,18 @@ def _ready(
     """The job's image in the node cache, and mounted when the runtime needs that."""
     ref = cfg.reference(image)
     key = str(ref.unpinned)
-    record = JobRecord(cfg, job_id)
-    known = record.pinned(key)
-    if not known and not prolog and (why := record.failure(key)):
+    images = JobImages(cfg, job_id)
+    known = images.pinned(key)
+    if not known and not prolog and (why := images.failure(key)):
         # The user learns of it now, not after a second wait as long as the first.
         raise ImageError(f"the prolog could not ready it on this node: {why}")
     if known and not ref.digest:
         ref = cfg.reference(known)  # what the job was pinned to, not what the tag is now
     try:
         cache = cache or ImageCache(cfg)
-        cached = cache.ensure(ref, job=job_id)
+        cached = Puller(cache).ensure(ref, job=job_id)
         if not known:
-            record.set_pinned(key, str(cached.ref))
+            images.set_pinned(key, str(cached.ref))
         if not runtime.needs_mount:
             return cached, None
         assert cached.ref.digest
@@ -117,13 +118,13 @@ def _ready(
             job_id,
             cached.path,
             cached.ref.digest,
-            cfg.mount_drivers(cache.read_meta(cached.ref.digest).get("origin")),
+            cfg.mount_drivers(cache.read_entry(cached.ref.digest).origin),
         )
         return cached, image_dir
     except Exception as e:
         if prolog and not known:
             with contextlib.suppress(Exception):  # the reason is logged by the caller
-                record.set_failed(key, str(e) if isinstance(e, TfimageError) else repr(e))
+                images.set_failed(key, str(e) if isinstance(e, TfimageError) else repr(e))
         raise
 
 
@@ -182,7 +183,7 @@ def _note_workers(cfg: Config, req: StepRequest, env: dict[int, dict[str, str]])
 
 
 def _resolved(cfg: Config, uid: int, binds: list[Bind]) -> list[Bind]:
-    """The ``--tf-mount`` binds with their sources resolved as the user (userpath.py)
+    """The ``--tf-mount`` binds with their host paths resolved as the user (userpath.py)
     and checked against the prefixes again: a link must not lead outside them.  The
     real path is what is bound, and each task checks, as the user, that it still
     resolves to itself (spank/node.c) before the runtime binds it."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tfimage.agent.cache import imagefs
-from tfimage.agent.errors import RuntimeSetupError
+from tfimage.agent.core.errors import RuntimeSetupError
 
 
 @dataclass(frozen=True, slots=True)

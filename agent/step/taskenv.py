@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tfimage.agent.errors import StepLayoutError
+from tfimage.agent.core.errors import StepLayoutError
 from tfimage.agent.step.gpushare import LIMIT, mps_memory_limit
 from tfimage.agent.step.hostlist import MAX_HOSTS, expand_counts, expand_hostlist, expand_ports
 

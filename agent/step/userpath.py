@@ -1,6 +1,6 @@
 """Paths from a job, resolved as the job's user, never as root.
 
-A ``--tf-mount`` source is checked against the admin's prefixes; checked by name, a
+A ``--tf-mount`` host path is checked against the admin's prefixes; checked by name, a
 link under an allowed prefix (``/home/u/etc -> /etc``) would pass.  Root must not
 follow the user's links to find out where they lead (that would let a user make root
 look anywhere, and stat what the user may not), so a child process takes the user's
@@ -17,8 +17,8 @@ import signal
 import time
 from collections.abc import Sequence
 
-from tfimage.agent.errors import BindError, RuntimeSetupError
-from tfimage.agent.logtext import oneline
+from tfimage.agent.core.errors import BindError, RuntimeSetupError
+from tfimage.agent.core.logtext import oneline
 
 TIMEOUT = 10.0  # a hung network filesystem must not hang a step's preparation
 MAX_ANSWER = 1 << 20
@@ -27,7 +27,7 @@ MAX_ANSWER = 1 << 20
 def realpaths_as(uid: int, paths: Sequence[str], timeout: float = TIMEOUT) -> list[str]:
     """For each path, its real path as ``uid`` sees it (links resolved, strictly).
     A path the user cannot resolve raises :class:`BindError` saying why (missing,
-    no permission): a source left for later could be re-pointed in between."""
+    no permission): a host path left for later could be re-pointed in between."""
     if not paths:
         return []
     try:
@@ -90,7 +90,7 @@ def realpaths_as(uid: int, paths: Sequence[str], timeout: float = TIMEOUT) -> li
         if not (isinstance(a, list) and len(a) == 2 and all(isinstance(x, str) for x in a)):
             raise RuntimeSetupError(f"--tf-mount: could not resolve the sources as uid {uid}")
         if a[0] or not a[1]:
-            raise BindError(f"--tf-mount source {oneline(p)}: {a[0] or 'cannot be resolved'}")
+            raise BindError(f"--tf-mount host path {oneline(p)}: {a[0] or 'cannot be resolved'}")
         real.append(a[1])
     return real
 

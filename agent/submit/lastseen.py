@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.fsutil import held, write_json
-from tfimage.agent.ids import valid_digest
+from tfimage.agent.core.fsutil import held, write_json
+from tfimage.agent.core.ids import valid_digest
 
 PER_UID = 100
 MAX_UIDS = 200

@@ -15,14 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tfimage.agent.config import Config
-from tfimage.agent.errors import (
+from tfimage.agent.core.config import Config
+from tfimage.agent.core.errors import (
     ImageNotFound,
     ImageReferenceError,
     RegistryError,
     RegistryUnreachable,
 )
-from tfimage.agent.reference import Reference
+from tfimage.agent.core.reference import Reference
 from tfimage.agent.submit import suggest
 from tfimage.agent.submit.lastseen import LastSeen
 

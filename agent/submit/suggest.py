@@ -1,4 +1,4 @@
-""""Did you mean": what a user learns when the tag or repository named is not there.
+""" "Did you mean": what a user learns when the tag or repository named is not there.
 
 At submit, a reference the registry does not have (``tf-custom:2.1`` for ``2.0``)
 is answered with the repository's closest tags, or with the fact that the
@@ -13,8 +13,8 @@ import difflib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tfimage.agent.errors import ImageNotFound, RegistryError
-from tfimage.agent.reference import Reference
+from tfimage.agent.core.errors import ImageNotFound, RegistryError
+from tfimage.agent.core.reference import Reference
 
 if TYPE_CHECKING:
     from tfimage.agent.registry.client import RegistryClient

@@ -1,11 +1,9 @@
 """What the prolog and the job's steps learn of a job on this node, kept for its epilog.
 
-Under ``state_dir`` (root's alone)::
-
-    usage/                 0700
-        <job>.json         0600  {"prolog_start": 1764780000.5, "image": "...",
-                                  "cache": "miss", "pull_seconds": 4.2, ...}
-        <job>.lock         0600  held while the file changes (prolog and steps at once)
+``usage/<job>.json`` under ``state_dir`` (core/layout.py; 0600, root's alone), e.g.
+``{"prolog_start": 1764780000.5, "image": "...", "cache": "miss", "pull_seconds":
+4.2, ...}``, and ``<job>.lock`` beside it, held while it changes (the prolog and the
+steps at once).
 
 The prolog writes its first facts before it pulls, so a prolog killed halfway still
 leaves the job's start and image for the record; the epilog reads the file and
@@ -19,8 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.fsutil import held, read_json, write_json
-from tfimage.agent.ids import valid_job_id
+from tfimage.agent.core import layout
+from tfimage.agent.core.fsutil import held, read_json, write_json
 
 # A file no tfimage writer makes larger; a bigger one is not read.
 MAX_BYTES = 64 << 10
@@ -28,16 +26,14 @@ MAX_BYTES = 64 << 10
 
 def usage_dir(state_dir: str) -> Path:
     """``state_dir/usage``, root's alone (the job facts' and the node counters')."""
-    d = Path(state_dir) / "usage"
+    d = layout.usage_dir(state_dir)
     Path(state_dir).mkdir(mode=0o755, parents=True, exist_ok=True)
     d.mkdir(mode=0o700, exist_ok=True)
     return d
 
 
 def _path(state_dir: str, job_id: str) -> Path:
-    if not valid_job_id(job_id):
-        raise ValueError(f"invalid job id {job_id!r}")
-    return Path(state_dir) / "usage" / f"{job_id}.json"
+    return layout.job_facts(state_dir, job_id)
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -4,9 +4,9 @@ textfile collector.
 Counters live where no job reaches them, and the text is rendered from them after
 each change::
 
-    <state_dir>/usage/counters.json   0600  {"images": {"library/x": {"jobs": 3, ...}},
-                                             "evictions": 1, "drains": 0, "gpus": {...}}
-    <state_dir>/usage/counters.lock   0600  held while they change
+    usage/counters.json (core/layout.py)  0600  {"images": {"library/x": {"jobs": 3}},
+                                                 "evictions": 1, "drains": 0, "gpus": {}}
+    usage/counters.lock                   0600  held while they change
     <metrics_dir>/tfimage.prom        0644  written to a temporary file in the same
                                             directory, then renamed over it
 
@@ -24,7 +24,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.fsutil import held, read_json, write_atomic, write_json
+from tfimage.agent.core import layout
+from tfimage.agent.core.fsutil import held, read_json, write_atomic, write_json
 from tfimage.agent.usage import record
 from tfimage.agent.usage.jobfacts import usage_dir
 
@@ -63,8 +64,9 @@ EXPORTED = (
 
 
 def _paths(state_dir: str) -> tuple[Path, Path]:
-    d = usage_dir(state_dir)
-    return d / "counters.json", d / "counters.lock"
+    path = layout.counters(state_dir)
+    usage_dir(state_dir)  # made, 0700
+    return path, path.with_suffix(".lock")
 
 
 # Counters of 100 repositories and 64 GPUs fit in a fraction of this.
@@ -119,7 +121,7 @@ def render(counters: Mapping[str, Any], cache_dir: str) -> str:
 
 def _cache_size(cache_dir: str) -> tuple[int, int]:
     size = count = 0
-    with contextlib.suppress(OSError), os.scandir(Path(cache_dir) / "images") as it:
+    with contextlib.suppress(OSError), os.scandir(layout.cache_images(cache_dir)) as it:
         for e in it:
             if e.name.endswith(".sif") and e.is_file(follow_symlinks=False):
                 size += e.stat(follow_symlinks=False).st_size

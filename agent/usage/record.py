@@ -41,7 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.logtext import oneline
+from tfimage.agent.core.logtext import oneline
 
 SCHEMA = 1
 # No record is longer (strings from a job are cut well below it).

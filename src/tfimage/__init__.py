@@ -6,7 +6,7 @@ The public surface is small on purpose:
   runtimes) and the ``tfimage`` operator CLI;
 - :mod:`tfimage.prolog` and :mod:`tfimage.epilog` are the Slurm node hooks.
 
-Everything a caller may catch is listed in :mod:`tfimage.agent.errors`.
+Everything a caller may catch is listed in :mod:`tfimage.agent.core.errors`.
 """
 
 __version__ = "0.1.0"

@@ -15,26 +15,27 @@ from pathlib import Path
 
 from tfimage.agent.cli.main import build_parser, dispatch
 from tfimage.agent.cli.main import main as cli
-from tfimage.agent.errors import TfimageError
+from tfimage.agent.core.errors import TfimageError
 
 
 def daemon(args: argparse.Namespace) -> int:
     """``tfimage daemon``: serve the CLI's step-prepare and the hooks."""
-    from tfimage.agent.config import load_config
-    from tfimage.agent.daemon.server import CLI, serve
+    from tfimage.agent.core import layout
+    from tfimage.agent.core.config import load_config
+    from tfimage.agent.daemon.server import serve
+    from tfimage.agent.daemon.worker import CLI
     from tfimage.epilog.main import main as epilog
     from tfimage.prolog.main import main as prolog
 
     if os.geteuid() != 0:
         raise TfimageError("daemon: runs as root on a compute or login node")
     cfg = load_config(args.config)
-    state = Path(cfg.state_dir)
-    pin = None if args.no_pin_server else Path(args.pin_socket or state / "pin.sock")
+    pin = None if args.no_pin_server else Path(args.pin_socket or layout.pin_socket(cfg.state_dir))
     # Built once, here: a forked worker would build it again, importing every
     # command on the way (~10 ms of each step's launch).
     parser = build_parser()
     return serve(
-        Path(args.socket or state / "daemon.sock"),
+        Path(args.socket or layout.daemon_socket(cfg.state_dir)),
         cfg,
         {
             CLI: lambda argv: dispatch(parser.parse_args(argv)),

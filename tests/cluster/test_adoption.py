@@ -22,9 +22,7 @@ def _refused(cluster: Cluster, workdir: Path, image: str) -> str:
     return r.stderr
 
 
-def test_a_typo_in_a_tag_is_answered_with_the_closest_tags(
-    cluster: Cluster, workdir: Path
-) -> None:
+def test_a_typo_in_a_tag_is_answered_with_the_closest_tags(cluster: Cluster, workdir: Path) -> None:
     err = _refused(cluster, workdir, "tf-custom:2.1")
     line = next((x for x in err.splitlines() if "no such tag" in x), err)
     assert line.endswith("/library/tf-custom:2.1: no such tag; did you mean tf-custom:2.0?"), err

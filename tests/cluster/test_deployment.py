@@ -119,9 +119,9 @@ def test_site_prolog_epilog_and_plugin_survive(cluster: Cluster, workdir: Path) 
 def test_doctor_is_clean_on_each_node(cluster: Cluster, node: str) -> None:
     r = cluster.on_node(node, ["/opt/tfimage/bin/tfimage", "doctor", "--json"])
     report = json.loads(r.stdout)
-    bad = [f for f in report["findings"] if f["level"] not in ("ok", "info")]
+    bad = [f for f in report["diagnoses"] if f["level"] not in ("ok", "info")]
     assert r.returncode == 0 and report["status"] == "ok", bad
-    checks = {f["check"] for f in report["findings"] if f["level"] == "ok"}
+    checks = {f["check"] for f in report["diagnoses"] if f["level"] == "ok"}
     assert {"config", "plugin", "hooks", "runtime", "registry", "cache"} <= checks, checks
 
 
@@ -197,7 +197,7 @@ def test_a_login_node_gets_the_plugin_and_config_only(cluster: Cluster) -> None:
         )
         report = json.loads(doctor.stdout)
         assert doctor.returncode == 0, report
-        checks = {f["check"] for f in report["findings"]}
+        checks = {f["check"] for f in report["diagnoses"]}
         assert checks == {"config", "plugin", "daemon", "registry"}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -45,7 +45,7 @@ def test_mount_outside_allowed_prefixes_rejected_at_submit(cluster: Cluster, wor
         ["sbatch", "--tf-image=tiny:1.0", "--tf-mount=/etc:/hostetc", "--wrap", "true"], cwd=workdir
     )
     assert r.returncode != 0
-    assert "tfimage: submit: --tf-mount '/etc:/hostetc': source /etc is outside" in r.stderr
+    assert "tfimage: submit: --tf-mount '/etc:/hostetc': host path /etc is outside" in r.stderr
     assert cluster.job_ids() == before
 
 
@@ -74,4 +74,4 @@ def test_missing_mount_source_fails_the_step_clearly(cluster: Cluster, workdir: 
     )
     assert r.returncode != 0
     # Resolved as the user when the step is prepared: the reason, on srun's stderr.
-    assert f"--tf-mount source {workdir}/nope: No such file or directory" in r.stderr
+    assert f"--tf-mount host path {workdir}/nope: No such file or directory" in r.stderr

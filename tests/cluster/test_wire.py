@@ -1,5 +1,5 @@
 """What the plugin really exchanges with the Python side in a job, captured by the
-daemons (``tfimage daemon --trace``) and checked against agent/wire.py both ways:
+daemons (``tfimage daemon --trace``) and checked against agent/core/wire.py both ways:
 every flag the plugin sent is one the wire knows, and every flag the Python side
 accepts was sent (or is an operator's, documented so)."""
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, Cluster, daemon_pid
 
-from tfimage.agent import wire
+from tfimage.agent.core import wire
 
 pytestmark = pytest.mark.cluster
 CLUSTER_SH = REPO / "deploy/local/cluster.sh"
@@ -103,7 +103,7 @@ def test_the_plugin_speaks_exactly_the_wire_in_a_job(
         if argv[0] in wire.HOOKS:
             hooks.add(argv[0])
             names = [a.partition("=")[0] for a in argv[1:]]
-            assert names == list(wire.HOOK_FLAGS[argv[0]]), argv
+            assert names == ["--config", *(f.name for f in wire.HOOK_FLAGS[argv[0]])], argv
             assert all("=" in a for a in argv[1:]), argv
             continue
         assert argv[:3] == ["--config", cluster.env["TFIMAGE_CONFIG"], wire.STEP_PREPARE], argv

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from support import Registry, at_once, flock_waiters, wait_for
-from tfimage.agent.cache.coalesce import lock_path
-from tfimage.agent.cache.store import CachedImage, ImageCache
-from tfimage.agent.config import Config, load_config
-from tfimage.agent.fsutil import held
+from tfimage.agent.cache.pull import CachedImage, Puller
+from tfimage.agent.cache.store import ImageCache
+from tfimage.agent.core import layout
+from tfimage.agent.core.config import Config, load_config
+from tfimage.agent.core.fsutil import held
 from tfimage.agent.registry.access import client_for
 from tfimage.agent.registry.client import RegistryClient
 from tfimage.agent.registry.transport import Response, StdlibTransport
@@ -31,7 +32,7 @@ class CountingTransport(StdlibTransport):
         return super().request(method, url, **kw)
 
 
-def counting_cache(cfg: Config, log: list[str], hosts: list[str]) -> ImageCache:
+def counting_cache(cfg: Config, log: list[str], hosts: list[str]) -> Puller:
     def factory(host: str) -> RegistryClient:
         hosts.append(host)
         c = client_for(cfg, host)
@@ -44,7 +45,7 @@ def counting_cache(cfg: Config, log: list[str], hosts: list[str]) -> ImageCache:
             transport=CountingTransport(log),
         )
 
-    return ImageCache(cfg, client_factory=factory)
+    return Puller(ImageCache(cfg), client_factory=factory)
 
 
 @contextmanager
@@ -52,7 +53,7 @@ def tag_held(cfg: Config, name: str) -> Iterator[None]:
     """Hold the tag's lock, so every request started meanwhile queues on it."""
     locks = Path(cfg.cache_dir) / "locks"
     locks.mkdir(parents=True, exist_ok=True)
-    with held(lock_path(locks, name)):
+    with held(layout.cache_tag_lock(cfg.cache_dir, name)):
         yield
 
 
@@ -64,7 +65,7 @@ def queued(
     with tag_held(cfg, name):
         t = threading.Thread(target=lambda: out.update(r=at_once(call, n)))
         t.start()
-        lock = lock_path(Path(cfg.cache_dir) / "locks", name)
+        lock = layout.cache_tag_lock(cfg.cache_dir, name)
         wait_for(lambda: flock_waiters(lock) == n, what=f"{n} calls queued on the tag's lock")
     t.join(120)
     return out["r"]  # type: ignore[no-any-return]
@@ -82,9 +83,9 @@ def test_sixteen_requests_for_one_tag_ask_the_registry_once(
     cfg = load_config(registry.write_site(tmp_path))
     log: list[str] = []
     hosts: list[str] = []
-    cache = counting_cache(cfg, log, hosts)
+    pull = counting_cache(cfg, log, hosts)
     ref = cfg.reference("coalesced:1")
-    got, errors = queued(cfg, f"{registry.host}/library/coalesced:1", lambda: cache.ensure(ref), 16)
+    got, errors = queued(cfg, f"{registry.host}/library/coalesced:1", lambda: pull.ensure(ref), 16)
     assert not errors and len(got) == 16
     assert {g.ref.digest for g in got} == {digest}
     assert sum(not g.hit for g in got) == 1  # one download
@@ -102,15 +103,15 @@ def test_a_request_after_the_tag_moved_asks_again(
     name = f"{registry.host}/library/moving:1"
     locks = Path(cfg.cache_dir) / "locks"
     locks.mkdir(parents=True)
-    lock_path(locks, name).write_bytes(b"\x00not json")  # garbage is ignored
+    layout.cache_tag_lock(cfg.cache_dir, name).write_bytes(b"\x00not json")  # garbage is ignored
     log: list[str] = []
-    cache = counting_cache(cfg, log, [])
-    assert cache.ensure(cfg.reference("moving:1")).ref.digest == first
+    pull = counting_cache(cfg, log, [])
+    assert pull.ensure(cfg.reference("moving:1")).ref.digest == first
     second = up.push_sif("library/moving", "1", make_sif({"v": "2"}))
     # The answer on record is older than this request: never taken.
-    assert cache.ensure(cfg.reference("moving:1")).ref.digest == second
+    assert pull.ensure(cfg.reference("moving:1")).ref.digest == second
     assert tag_gets(log, "library/moving", "1") == 4  # each: its challenge, its GET
-    assert second.encode() in lock_path(locks, name).read_bytes()
+    assert second.encode() in layout.cache_tag_lock(cfg.cache_dir, name).read_bytes()
 
 
 def test_a_registry_that_is_down_is_tried_once_per_group(
@@ -124,9 +125,9 @@ def test_a_registry_that_is_down_is_tried_once_per_group(
     )
     cfg = load_config(path)
     hosts: list[str] = []
-    cache = counting_cache(cfg, [], hosts)
+    pull = counting_cache(cfg, [], hosts)
     got, errors = queued(
-        cfg, "127.0.0.1:1/library/downed:1", lambda: cache.ensure(cfg.reference("downed:1")), 8
+        cfg, "127.0.0.1:1/library/downed:1", lambda: pull.ensure(cfg.reference("downed:1")), 8
     )
     assert not errors and {g.ref.digest for g in got} == {digest}
     assert {g.source for g in got if not g.hit} == {registry.host}

@@ -13,10 +13,11 @@ import pytest
 
 from support import Registry, need, push_oci_image
 from tfimage.agent.cache.convert import apptainer_build
+from tfimage.agent.cache.pull import Puller
 from tfimage.agent.cache.store import ImageCache
-from tfimage.agent.config import load_config
-from tfimage.agent.errors import ImageError
-from tfimage.agent.sif import root_partition
+from tfimage.agent.core.config import load_config
+from tfimage.agent.core.errors import ImageError
+from tfimage.agent.core.sif import root_partition
 from tfimage.agent.step import imagemount
 
 
@@ -27,16 +28,17 @@ def test_docker_reference_is_converted_and_cached(registry: Registry, tmp_path: 
     push_oci_image(registry, tmp_path, "library/ocitest")
     cfg = load_config(registry.write_site(tmp_path))
     cache = ImageCache(cfg)
-    got = cache.ensure(cfg.reference("docker://ocitest:1"))
+    pull = Puller(cache)
+    got = pull.ensure(cfg.reference("docker://ocitest:1"))
     assert not got.hit and got.ref.transport == "docker"
-    again = cache.ensure(cfg.reference("docker://ocitest:1"))
+    again = pull.ensure(cfg.reference("docker://ocitest:1"))
     assert again.hit and again.path == got.path  # converted once, cached by digest
     assert not any((cache.root / "tmp").iterdir())  # no work left behind
     with got.path.open("rb") as f:
         assert root_partition(f, got.path.stat().st_size).size > 0
     # Published as any entry is: with its metadata (else eviction never sees it).
-    meta = {e["digest"]: e for e in cache.entries()}[str(got.ref.digest)]
-    assert meta["source"] == registry.host and "blob" not in meta
+    entry = {e.digest: e for e in cache.entries()}[str(got.ref.digest)]
+    assert entry.source == registry.host and "blob" not in entry.to_json()
     state = tmp_path / "state"
     state.mkdir()
     assert got.ref.digest
@@ -80,7 +82,7 @@ def test_apptainer_converts_a_real_image_where_installed(
     need("umoci", "skopeo")
     push_oci_image(registry, tmp_path, "library/ocitest-apptainer")
     cfg = load_config(registry.write_site(tmp_path))
-    got = ImageCache(cfg).ensure(cfg.reference("docker://ocitest-apptainer:1"))
+    got = Puller(ImageCache(cfg)).ensure(cfg.reference("docker://ocitest-apptainer:1"))
     with got.path.open("rb") as f:
         assert root_partition(f, got.path.stat().st_size).size > 0
 
@@ -89,11 +91,11 @@ def test_apptainer_converts_a_real_image_where_installed(
 
 
 @pytest.fixture
-def converting(registry: Registry, tmp_path: Path) -> ImageCache:
+def converting(registry: Registry, tmp_path: Path) -> Puller:
     need("umoci", "skopeo", "mksquashfs", "siftool", "busybox", "squashfuse")
     if os.geteuid() != 0:
         pytest.skip("conversion writes a root-owned tree and reads it back mounted: root")
-    return ImageCache(load_config(registry.write_site(tmp_path)))
+    return Puller(ImageCache(load_config(registry.write_site(tmp_path))))
 
 
 @pytest.mark.parametrize(
@@ -101,7 +103,7 @@ def converting(registry: Registry, tmp_path: Path) -> ImageCache:
     [("ch", "environment"), (".singularity.d/env", "90-environment.sh")],
 )
 def test_an_image_whose_link_leads_out_is_refused_and_nothing_is_written_there(
-    converting: ImageCache, registry: Registry, tmp_path: Path, link: str, written: str
+    converting: Puller, registry: Registry, tmp_path: Path, link: str, written: str
 ) -> None:
     outside = tmp_path / "host-dir"  # stands for /etc or /etc/profile.d
     outside.mkdir()
@@ -115,12 +117,12 @@ def test_an_image_whose_link_leads_out_is_refused_and_nothing_is_written_there(
     with pytest.raises(ImageError, match=rf"/{link} is a symbolic link .* refuses to write"):
         converting.ensure(converting.cfg.reference(f"docker://{repo.split('/')[1]}:1"))
     assert list(outside.iterdir()) == []  # root wrote nothing through the link
-    assert not list((converting.root / "images").iterdir())  # nothing published
-    assert not any((converting.root / "tmp").iterdir())  # no work left behind
+    assert not list((converting.cache.root / "images").iterdir())  # nothing published
+    assert not any((converting.cache.root / "tmp").iterdir())  # no work left behind
 
 
 def test_the_image_env_is_data_never_shell(
-    converting: ImageCache, registry: Registry, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    converting: Puller, registry: Registry, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     canary = tmp_path / "ran"
     value = f"$(touch {canary}) `touch {canary}` 'single' \"double\" \\ end\nsecond line"
@@ -155,7 +157,7 @@ def test_the_image_env_is_data_never_shell(
 
 
 def test_setuid_bits_and_devices_are_stripped_from_a_converted_image(
-    converting: ImageCache, registry: Registry, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    converting: Puller, registry: Registry, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     def add_privileges(rootfs: Path) -> None:
         shutil.copy("/bin/busybox", rootfs / "bin" / "rootshell")
@@ -185,7 +187,7 @@ def test_setuid_bits_and_devices_are_stripped_from_a_converted_image(
 
 
 def test_a_fifo_where_the_metadata_goes_is_refused_without_hanging(
-    converting: ImageCache, registry: Registry, tmp_path: Path
+    converting: Puller, registry: Registry, tmp_path: Path
 ) -> None:
     """Opening a FIFO for writing blocks until a reader comes: as root, for ever."""
 
@@ -211,4 +213,4 @@ def test_a_fifo_where_the_metadata_goes_is_refused_without_hanging(
     )
     assert r.returncode == 3, r.stderr
     assert "/ch/environment is not a regular file" in r.stderr
-    assert not list((converting.root / "images").iterdir())
+    assert not list((converting.cache.root / "images").iterdir())

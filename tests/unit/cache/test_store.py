@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from support import Registry, at_once
+from tfimage.agent.cache.pull import Puller
 from tfimage.agent.cache.store import ImageCache
-from tfimage.agent.config import load_config
-from tfimage.agent.errors import ImageError, RegistryError
+from tfimage.agent.core.config import load_config
+from tfimage.agent.core.errors import ImageError, RegistryError
 from tfimage.agent.registry.access import client_for
 from tfimage.agent.registry.client import RegistryClient
 from tfimage.agent.registry.credentials import Credential
@@ -46,21 +47,22 @@ def test_push_then_pull_through_cache(
     digest = client(registry).push_sif("library/cachetest", "1.0", sif)
     cfg = load_config(registry.write_site(tmp_path))
     cache = ImageCache(cfg)
+    pull = Puller(cache)
 
-    got = cache.ensure(cfg.reference("cachetest:1.0"))
+    got = pull.ensure(cfg.reference("cachetest:1.0"))
     assert not got.hit
     assert got.ref.digest == digest
     assert got.path.read_bytes() == sif.read_bytes()
     assert stat.S_IMODE(got.path.stat().st_mode) == 0o444
     assert not any((tmp_path / "cache" / "tmp").iterdir())  # nothing half-published
 
-    again = cache.ensure(cfg.reference("cachetest:1.0"))
+    again = pull.ensure(cfg.reference("cachetest:1.0"))
     assert again.hit and again.path == got.path
-    pinned = cache.ensure(cfg.reference(f"cachetest@{digest}"))
+    pinned = pull.ensure(cfg.reference(f"cachetest@{digest}"))
     assert pinned.hit
     [entry] = cache.entries()
-    assert entry["digest"] == digest
-    assert f"{registry.host}/library/cachetest:1.0" in entry["refs"]
+    assert entry.digest == digest
+    assert f"{registry.host}/library/cachetest:1.0" in entry.refs
 
 
 @TRANSPORTS
@@ -87,7 +89,7 @@ def test_wrong_password_fails_fast(registry: Registry, transport: type[Transport
 def test_unknown_tag_is_a_clear_error(registry: Registry, tmp_path: Path) -> None:
     cfg = load_config(registry.write_site(tmp_path))
     with pytest.raises(RegistryError, match="not found"):
-        ImageCache(cfg).ensure(cfg.reference("does-not-exist:9"))
+        Puller(ImageCache(cfg)).ensure(cfg.reference("does-not-exist:9"))
 
 
 def test_broken_oci_image_fails_and_nothing_published(registry: Registry, tmp_path: Path) -> None:
@@ -115,7 +117,7 @@ def test_broken_oci_image_fails_and_nothing_published(registry: Registry, tmp_pa
     cfg = load_config(registry.write_site(tmp_path))
     # An OCI image whose layer is not a tar: conversion fails, clearly, and leaves nothing.
     with pytest.raises(ImageError, match="unpacking the OCI image"):
-        ImageCache(cfg).ensure(cfg.reference("notsif:1"))
+        Puller(ImageCache(cfg)).ensure(cfg.reference("notsif:1"))
     assert not list((tmp_path / "cache" / "images").glob("*.sif"))
     assert not any((tmp_path / "cache" / "tmp").iterdir())
 
@@ -125,7 +127,9 @@ def test_concurrent_ensures_download_once(
 ) -> None:
     client(registry).push_sif("library/conc", "1", make_sif({"x": "y" * 100000}))
     cfg = load_config(registry.write_site(tmp_path))
-    results, errors = at_once(lambda: ImageCache(cfg).ensure(cfg.reference("conc:1")).hit, 8)
+    results, errors = at_once(
+        lambda: Puller(ImageCache(cfg)).ensure(cfg.reference("conc:1")).hit, 8
+    )
     assert not errors
     assert sorted(results) == [False] + [True] * 7  # exactly one download
 
@@ -147,11 +151,11 @@ def test_first_registry_down_the_mirror_serves(
     text = cfg_path.read_text().replace(f'registry: "{registry.host}"', 'registry: "127.0.0.1:1"')
     cfg_path.write_text(text + f'mirrors: ["{registry.host}"]\nconnect_timeout: 1\n')
     cfg = load_config(cfg_path)
-    got = ImageCache(cfg).ensure(cfg.reference("mirrored:1"))
+    got = Puller(ImageCache(cfg)).ensure(cfg.reference("mirrored:1"))
     assert (got.source, got.ref.digest, got.ref.registry) == (registry.host, digest, "127.0.0.1:1")
     assert got.path.read_bytes() == sif.read_bytes()
     # The entry's record says which one served it (`tfimage cache ls --json`).
-    assert ImageCache(cfg).read_meta(digest)["source"] == registry.host
+    assert ImageCache(cfg).read_entry(digest).source == registry.host
 
 
 WRITEBACK_PROBE = """
@@ -293,8 +297,9 @@ def test_a_sif_pushed_by_old_singularity_is_pulled_and_a_near_miss_refused(
     is not a SIF layer."""
     import json
 
-    from tfimage.agent.errors import VerificationError
-    from tfimage.agent.registry.client import OCI_MANIFEST, SIF_CONFIG
+    from tfimage.agent.core.errors import VerificationError
+    from tfimage.agent.registry.artifact import SIF_CONFIG
+    from tfimage.agent.registry.mediatypes import OCI_MANIFEST
 
     up = client(registry)
     sif = make_sif({"etc/tfimage-test-image": "old singularity\n"})
@@ -312,7 +317,7 @@ def test_a_sif_pushed_by_old_singularity_is_pulled_and_a_near_miss_refused(
             "layers": [{"mediaType": media_type, "digest": layer, "size": size}],
         }
         up.push_manifest("library/oldsing", tag, json.dumps(manifest).encode(), OCI_MANIFEST)
-    got = ImageCache(cfg).ensure(cfg.reference("oldsing:1"))
+    got = Puller(ImageCache(cfg)).ensure(cfg.reference("oldsing:1"))
     assert got.path.read_bytes() == sif.read_bytes()
     with pytest.raises(VerificationError, match="the layer is not a SIF file"):
-        ImageCache(cfg).ensure(cfg.reference("oldsing:2"))
+        Puller(ImageCache(cfg)).ensure(cfg.reference("oldsing:2"))

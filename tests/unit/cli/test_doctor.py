@@ -15,7 +15,7 @@ import pytest
 from support import Registry, need
 from tfimage.agent.cli.doctor import Context, exit_status, run_checks
 from tfimage.agent.cli.main import main
-from tfimage.agent.config import load_config
+from tfimage.agent.core.config import load_config
 
 REPO = Path(__file__).resolve().parents[3]
 PLUGIN = REPO / "spank" / "build" / "spank_tfimage.so"
@@ -59,10 +59,10 @@ def _node(
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the cache must be root-owned: run as root")
 def test_a_node_in_order_exits_0(tmp_path: Path, registry: Registry) -> None:
-    findings = run_checks(_node(tmp_path, registry))
-    bad = [f for f in findings if f.level not in ("ok", "info")]
-    assert bad == [] and exit_status(findings) == 0
-    text = {f.message for f in findings}
+    diagnoses = run_checks(_node(tmp_path, registry))
+    bad = [f for f in diagnoses if f.level not in ("ok", "info")]
+    assert bad == [] and exit_status(diagnoses) == 0
+    text = {f.message for f in diagnoses}
     assert f"{registry.host} reachable, credentials accepted" in text
     assert "srun --help lists --tf-image: Slurm loads the plugin" in text
     assert any(m.startswith("Prolog runs tfimage-prolog") for m in text)
@@ -76,9 +76,9 @@ def test_each_fault_is_an_error_with_a_fix(tmp_path: Path, registry: Registry) -
     creds = tmp_path / "credentials.yaml"
     creds.write_text(creds.read_text().replace(registry.password, "wrong-password"))
     (tmp_path / "epilog.d" / "50-tfimage").unlink()
-    findings = run_checks(ctx)
-    errors = {(f.check, f.message) for f in findings if f.level == "error"}
-    assert exit_status(findings) == 2
+    diagnoses = run_checks(ctx)
+    errors = {(f.check, f.message) for f in diagnoses if f.level == "error"}
+    assert exit_status(diagnoses) == 2
     assert ("hooks", "PrologFlags lacks Alloc: images are pulled too late") in errors
     assert any(
         c == "hooks" and m.startswith("hook_deadline (600 s) + 30 s of grace is not below")
@@ -89,8 +89,8 @@ def test_each_fault_is_an_error_with_a_fix(tmp_path: Path, registry: Registry) -
     assert any(c == "plugin" and "no spank_tfimage.so line" in m for c, m in errors)
     assert any(c == "hooks" and m.startswith("no script of Epilog=") for c, m in errors)
     assert any(c == "registry" and "authentication refused" in m for c, m in errors)
-    assert "wrong-password" not in repr(findings)
-    assert all(f.fix for f in findings if f.level == "error")
+    assert "wrong-password" not in repr(diagnoses)
+    assert all(f.fix for f in diagnoses if f.level == "error")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a filesystem of its own needs root")
@@ -117,14 +117,14 @@ def test_a_nearly_full_cache_and_a_leftover_mount_process_are_named(
         time.sleep(0.02)
     try:
         (cache / "fill").write_bytes(b"\0" * (1000 << 10))
-        findings = {f.check: f for f in run_checks(ctx) if f.check in ("cache", "mounts")}
+        diagnoses = {f.check: f for f in run_checks(ctx) if f.check in ("cache", "mounts")}
     finally:
         os.killpg(left.pid, signal.SIGKILL)
         left.wait()
         subprocess.run(["umount", str(cache)], check=True)
-    assert findings["cache"].level == "error" and "% full" in findings["cache"].message
-    assert findings["mounts"].level == "warning"
-    assert f"{left.pid} ({gone})" in findings["mounts"].message
+    assert diagnoses["cache"].level == "error" and "% full" in diagnoses["cache"].message
+    assert diagnoses["mounts"].level == "warning"
+    assert f"{left.pid} ({gone})" in diagnoses["mounts"].message
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the cache must be root-owned: run as root")
@@ -173,8 +173,11 @@ def test_json_and_exit_code_from_the_cli(
     )
     report = json.loads(capsys.readouterr().out)
     assert rc == 2 and report["status"] == "error"
-    assert {f["check"] for f in report["findings"]} == {"config", "plugin"}  # login: no node checks
-    assert report["findings"][0]["message"].endswith("missing.yaml: no such config file")
+    assert {f["check"] for f in report["diagnoses"]} == {
+        "config",
+        "plugin",
+    }  # login: no node checks
+    assert report["diagnoses"][0]["message"].endswith("missing.yaml: no such config file")
 
 
 def test_a_missing_cache_is_a_warning(tmp_path: Path, registry: Registry) -> None:
@@ -190,13 +193,13 @@ def test_a_missing_cache_is_a_warning(tmp_path: Path, registry: Registry) -> Non
 
 
 def test_a_configured_daemon_that_does_not_answer_is_a_warning(tmp_path: Path) -> None:
-    from tfimage.agent.cli.doctor import _daemon_finding
+    from tfimage.agent.cli.doctor import _daemon_diagnosis
 
-    f = _daemon_finding(str(tmp_path / "daemon.sock"), "steps start Python")
+    f = _daemon_diagnosis(str(tmp_path / "daemon.sock"), "steps start Python")
     assert f.level == "warning" and "no tfimage daemon answers" in f.message and f.fix
     import socket
 
     with socket.socket(socket.AF_UNIX) as srv:
         srv.bind(str(tmp_path / "daemon.sock"))
         srv.listen(1)
-        assert _daemon_finding(str(tmp_path / "daemon.sock"), "steps start Python").level == "ok"
+        assert _daemon_diagnosis(str(tmp_path / "daemon.sock"), "steps start Python").level == "ok"

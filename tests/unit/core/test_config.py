@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from tfimage.agent.config import load_config
-from tfimage.agent.errors import ConfigError, ImageReferenceError
+from tfimage.agent.core.config import load_config
+from tfimage.agent.core.errors import ConfigError, ImageReferenceError
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tfimage.agent.cli.main import main
-from tfimage.agent.config import compile_config, compiled_path, load_config
-from tfimage.agent.errors import ConfigError
+from tfimage.agent.core.config import compile_config, compiled_path, load_config
+from tfimage.agent.core.errors import ConfigError
 
 
 def _write(p: Path, text: str) -> Path:
@@ -67,7 +67,7 @@ def test_the_compiled_path_does_not_load_yaml(tmp_path: Path) -> None:
     cfg = _write(tmp_path / "config.yaml", "registry: h.example\n")
     compile_config(cfg)
     code = (
-        "import sys; from tfimage.agent.config import load_config; "
+        "import sys; from tfimage.agent.core.config import load_config; "
         f"load_config({str(cfg)!r}); print('yaml' in sys.modules)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

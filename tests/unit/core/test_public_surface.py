@@ -23,7 +23,7 @@ def test_the_public_surface_is_exactly_this() -> None:
         assert getattr(tfimage.agent, name).__module__.startswith("tfimage.agent.")
 
 
-def test_importing_it_loads_no_subpackage_and_no_heavy_library() -> None:
+def test_importing_it_loads_only_the_core_and_no_heavy_library() -> None:
     code = (
         "import sys, tfimage.agent; "
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('tfimage.agent.') "
@@ -33,8 +33,11 @@ def test_importing_it_loads_no_subpackage_and_no_heavy_library() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout.split()
     assert loaded == [
-        "tfimage.agent.config",
-        "tfimage.agent.errors",
-        "tfimage.agent.gpuconfig",  # the config's gpu: section: pure, no pynvml
-        "tfimage.agent.reference",
+        "tfimage.agent.core",
+        "tfimage.agent.core.config",
+        "tfimage.agent.core.errors",
+        "tfimage.agent.core.gpuconfig",  # the config's gpu: section: pure, no pynvml
+        "tfimage.agent.core.ids",  # the digest pattern the parser checks
+        "tfimage.agent.core.reference",
+        "tfimage.agent.core.wire",  # the config's defaults are the plugin's
     ]

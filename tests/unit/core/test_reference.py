@@ -4,8 +4,8 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from tfimage.agent.errors import ImageReferenceError
-from tfimage.agent.reference import Reference, check_allowed, check_rewrite, parse_reference
+from tfimage.agent.core.errors import ImageReferenceError
+from tfimage.agent.core.reference import Reference, check_allowed, check_rewrite, parse_reference
 
 REG, PROJ = "harbor.example", "library"
 D = "sha256:" + "ab" * 32

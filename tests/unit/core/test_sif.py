@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tfimage.agent.errors import VerificationError
-from tfimage.agent.sif import has_magic, root_partition
+from tfimage.agent.core.errors import VerificationError
+from tfimage.agent.core.sif import has_magic, root_partition
 
 
 def test_root_partition_matches_siftool(make_sif: Callable[[dict[str, str]], Path]) -> None:

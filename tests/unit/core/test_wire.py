@@ -1,4 +1,4 @@
-"""One wire between the plugin and the Python side: agent/wire.py, and the C side
+"""One wire between the plugin and the Python side: agent/core/wire.py, and the C side
 following it (spank/wire.h's constants, the C files using them), both ways."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tfimage.agent import wire
 from tfimage.agent.cli.main import build_parser
-from tfimage.agent.errors import RequestError
+from tfimage.agent.core import wire
+from tfimage.agent.core.errors import RequestError
 
 SPANK = Path(__file__).resolve().parents[3] / "spank"
 
@@ -71,7 +71,7 @@ def test_a_step_answer_reads_back_as_written() -> None:
     env = {0: {"TF_CONFIG": '{"a": 1}', "X": "with\nnewline"}, 1: {"X": ""}}
     data = wire.encode_step_answer(["/usr/bin/ch-run", "--no-passwd", "/r", "--"], ["/d"], env)
     got = wire.decode_step_answer(data)
-    assert (got.argv, got.sources, got.env) == (
+    assert (got.argv, got.host_paths, got.env) == (
         ["/usr/bin/ch-run", "--no-passwd", "/r", "--"],
         ["/d"],
         env,

@@ -1,4 +1,4 @@
-"""The daemon's pin server for the submit side: its one request shape (agent/wire.py,
+"""The daemon's pin server for the submit side: its one request shape (agent/core/wire.py,
 4), and its answers against a real registry (pinned; input rejected: final; anything
 else: the plugin pins by itself)."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from support import Registry
-from tfimage.agent.config import load_config
+from tfimage.agent.core.config import load_config
+from tfimage.agent.core.errors import RequestError
+from tfimage.agent.core.wire import SubmitCheck, decode_submit_check
 from tfimage.agent.daemon.pinserver import RETRY_YOURSELF, answer
-from tfimage.agent.errors import RequestError
 from tfimage.agent.submit.lastseen import PER_UID, LastSeen
-from tfimage.agent.wire import SubmitCheck, decode_submit_check
 
 GOOD = ["submit-check", "--tf-mount=", "--job-image=", "--", "tiny:1"]
 

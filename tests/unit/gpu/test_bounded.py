@@ -15,7 +15,7 @@ import pytest
 from conftest import drains, gpu_check, hook
 from gpus import FakeNvml, node
 
-from tfimage.agent.errors import TfimageError
+from tfimage.agent.core.errors import TfimageError
 from tfimage.agent.gpu.child import probe_bounded
 from tfimage.agent.gpu.probe import Selection
 

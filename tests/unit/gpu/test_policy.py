@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tfimage.agent.config import config_from_mapping
-from tfimage.agent.errors import ConfigError, InputError
+from tfimage.agent.core.config import config_from_mapping
+from tfimage.agent.core.errors import ConfigError, InputError
+from tfimage.agent.core.gpuconfig import CHECKS, GpuPolicy
 from tfimage.agent.gpu.alloc import parse_gpus
-from tfimage.agent.gpuconfig import CHECKS, GpuPolicy
 
 
 def test_the_defaults_check_every_gpu_job_and_cite_dcgms_limits() -> None:

@@ -18,7 +18,7 @@ from gpus import FakeNvml, node
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tfimage.agent.gpu.xid import key, parse_record, read_xids, records
+from tfimage.agent.gpu.xid import key, messages, parse_message, read_xids
 
 
 def _xid(seq: int, bus: int, number: int, text: str = "GPU has fallen off the bus.") -> str:
@@ -115,19 +115,19 @@ def prolog(nvml: FakeNvml, config: Path, gpus: str) -> subprocess.CompletedProce
 def test_bus_ids_from_nvml_and_from_the_log_meet() -> None:
     assert key("00000000:3B:00.0") == key("0000:3b:00") == "0000:3b:00"
     assert key("0000:3b") == key("../../etc") == ""
-    got = parse_record(_xid(12, 0x3B, 79))
+    got = parse_message(_xid(12, 0x3B, 79))
     assert got is not None and (got.seq, got.pci, got.xid) == (12, "0000:3b:00", 79)
 
 
 @given(st.text(max_size=300))
 def test_no_log_line_breaks_the_parser(text: str) -> None:
-    got = parse_record(text)
+    got = parse_message(text)
     assert got is None or (got.xid > 0 and key(got.pci) == got.pci)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="writing /dev/kmsg needs root")
 def test_the_real_kernel_log_is_read_and_a_users_forged_xid_in_it_never_counts() -> None:
-    """/dev/kmsg itself (a record per read, non-blocking to its end): the forged
+    """/dev/kmsg itself (a message per read, non-blocking to its end): the forged
     line is there, as the kernel stamps a write from user space (never facility 0),
     and it is no XID."""
     kmsg = Path("/dev/kmsg")
@@ -136,11 +136,11 @@ def test_the_real_kernel_log_is_read_and_a_users_forged_xid_in_it_never_counts()
     forged = f"<3>NVRM: Xid (PCI:ffff:ff:1f): 999, pid=1, tfimage test line {marker}"
     try:
         with open(kmsg, "w") as f:
-            f.write(forged + "\n")  # a record without its newline stays open
+            f.write(forged + "\n")  # a message without its newline stays open
     except OSError as e:
         pytest.skip(f"/dev/kmsg is not writable here: {e.strerror}")
-    seen = [r for r in records(kmsg) if marker in r]
-    assert len(seen) == 1, "the record written was not read back"
+    seen = [r for r in messages(kmsg) if marker in r]
+    assert len(seen) == 1, "the message written was not read back"
     assert int(seen[0].split(",", 1)[0]) >> 3 != 0  # not the kernel's facility
     assert not [x for x in read_xids(kmsg) if x.pci == key("ffff:ff:1f")]
 

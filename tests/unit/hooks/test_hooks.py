@@ -31,10 +31,10 @@ from gpus import node as gpus_node
 from hostile import Server
 
 from support import Registry, ask_daemon, hook_site, started_daemon
-from tfimage.agent import wire
-from tfimage.agent.config import load_config
-from tfimage.agent.errors import ImageError, NodeFault
-from tfimage.agent.hooklog import guarded, hook_logger
+from tfimage.agent.core import wire
+from tfimage.agent.core.config import load_config
+from tfimage.agent.core.errors import ImageError, NodeFault
+from tfimage.agent.hooks.log import guarded, hook_logger
 from tfimage.agent.step.plan import _ready
 from tfimage.agent.step.runtime import runtime_for
 from tfimage.epilog.main import main as epilog
@@ -492,9 +492,10 @@ def test_tfimage_hook_never_runs_a_hook_the_daemon_took_a_second_time(
 ROUTED_DAEMON = """
 import subprocess, sys, time
 from pathlib import Path
-from tfimage.agent import wire
-from tfimage.agent.config import load_config
-from tfimage.agent.daemon.server import CLI, serve
+from tfimage.agent.core import wire
+from tfimage.agent.core.config import load_config
+from tfimage.agent.daemon.server import serve
+from tfimage.agent.daemon.worker import CLI
 
 def hang(argv):
     subprocess.Popen(["sleep", sys.argv[3]])  # a tool it started, to be killed with it

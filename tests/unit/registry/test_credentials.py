@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tfimage.agent.errors import CredentialsError
+from tfimage.agent.core.errors import CredentialsError
 from tfimage.agent.registry.credentials import load_credentials
 
 

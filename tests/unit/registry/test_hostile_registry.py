@@ -22,9 +22,10 @@ import pytest
 from hostile import SIF_LAYER, Server, digest_of
 
 from support import at_once, flock_waiters, wait_for
+from tfimage.agent.cache.pull import Puller
 from tfimage.agent.cache.store import ImageCache
-from tfimage.agent.config import load_config
-from tfimage.agent.errors import (
+from tfimage.agent.core.config import load_config
+from tfimage.agent.core.errors import (
     CacheError,
     RegistryError,
     RegistryStalled,
@@ -47,10 +48,10 @@ def server(tls: Path) -> Iterator[Server]:
 @pytest.fixture(params=["requests", "stdlib"])
 def cache_for(
     request: pytest.FixtureRequest, tmp_path: Path, tls: Path
-) -> Callable[[Server], ImageCache]:
+) -> Callable[[Server], Puller]:
     """A cache on the server, through each transport (agent/registry/transport.py) in turn."""
 
-    def make(s: Server, **extra: int) -> ImageCache:
+    def make(s: Server, **extra: int) -> Puller:
         cfg = tmp_path / "config.yaml"
         cfg.write_text(
             f'registry: "{s.host}"\nca_bundle: {tls / "ca.crt"}\n'
@@ -59,12 +60,14 @@ def cache_for(
         )
         site = load_config(cfg)
         light = request.param == "stdlib"
-        return ImageCache(site, client_factory=lambda host: client_for(site, host, light=light))
+        return Puller(
+            ImageCache(site), client_factory=lambda host: client_for(site, host, light=light)
+        )
 
     return make
 
 
-CacheFor = Callable[..., ImageCache]
+CacheFor = Callable[..., Puller]
 
 
 def a_sif(make_sif: Callable[[dict[str, str]], Path], size: int = 0) -> bytes:
@@ -80,7 +83,7 @@ def nothing_published(cache: ImageCache) -> None:
 
 def test_sha256_mismatch(
     server: Server,
-    cache_for: Callable[[Server], ImageCache],
+    cache_for: Callable[[Server], Puller],
     make_sif: Callable[[dict[str, str]], Path],
 ) -> None:
     good = a_sif(make_sif)
@@ -89,23 +92,23 @@ def test_sha256_mismatch(
     server.serve(
         bytes(evil), layers=[{"mediaType": SIF_LAYER, "digest": digest_of(good), "size": len(good)}]
     )
-    cache = cache_for(server)
+    pull = cache_for(server)
     with pytest.raises(VerificationError, match="sha256 of the download does not match"):
-        cache.ensure(cache.cfg.reference("x:1"))
-    nothing_published(cache)
-    assert not any((cache.root / "tmp").iterdir())  # and no partial kept
+        pull.ensure(pull.cfg.reference("x:1"))
+    nothing_published(pull.cache)
+    assert not any((pull.cache.root / "tmp").iterdir())  # and no partial kept
 
 
-def test_two_layers(server: Server, cache_for: Callable[[Server], ImageCache]) -> None:
+def test_two_layers(server: Server, cache_for: Callable[[Server], Puller]) -> None:
     layer = {"mediaType": SIF_LAYER, "digest": digest_of(b"a"), "size": 1}
     server.serve(b"a", layers=[layer, layer])
-    cache = cache_for(server)
+    pull = cache_for(server)
     with pytest.raises(VerificationError, match="exactly one layer, this one has 2"):
-        cache.ensure(cache.cfg.reference("x:1"))
-    nothing_published(cache)
+        pull.ensure(pull.cfg.reference("x:1"))
+    nothing_published(pull.cache)
 
 
-def test_non_sif_layer(server: Server, cache_for: Callable[[Server], ImageCache]) -> None:
+def test_non_sif_layer(server: Server, cache_for: Callable[[Server], Puller]) -> None:
     server.serve(
         b"a",
         layers=[
@@ -116,45 +119,43 @@ def test_non_sif_layer(server: Server, cache_for: Callable[[Server], ImageCache]
             }
         ],
     )
-    cache = cache_for(server)
+    pull = cache_for(server)
     with pytest.raises(VerificationError, match="not a SIF file"):
-        cache.ensure(cache.cfg.reference("x:1"))
-    nothing_published(cache)
+        pull.ensure(pull.cfg.reference("x:1"))
+    nothing_published(pull.cache)
 
 
-def test_bytes_that_are_not_a_sif(
-    server: Server, cache_for: Callable[[Server], ImageCache]
-) -> None:
+def test_bytes_that_are_not_a_sif(server: Server, cache_for: Callable[[Server], Puller]) -> None:
     blob = b"#!/bin/sh\necho not a sif\n" + b"\0" * 100
     server.serve(blob)
-    cache = cache_for(server)
+    pull = cache_for(server)
     with pytest.raises(VerificationError, match="not a SIF file"):
-        cache.ensure(cache.cfg.reference("x:1"))
-    nothing_published(cache)
+        pull.ensure(pull.cfg.reference("x:1"))
+    nothing_published(pull.cache)
 
 
 def test_ten_gigabyte_content_length(
     server: Server,
-    cache_for: Callable[[Server], ImageCache],
+    cache_for: Callable[[Server], Puller],
     make_sif: Callable[[dict[str, str]], Path],
 ) -> None:
     blob = a_sif(make_sif)
     server.serve(blob, content_length=10 << 30)
-    cache = cache_for(server)
+    pull = cache_for(server)
     with pytest.raises(VerificationError, match=f"sends {10 << 30} bytes .* has {len(blob)}"):
-        cache.ensure(cache.cfg.reference("x:1"))
-    nothing_published(cache)
+        pull.ensure(pull.cfg.reference("x:1"))
+    nothing_published(pull.cache)
 
 
 def test_a_download_that_broke_off_is_asked_again_from_where_it_stopped(
     server: Server,
-    cache_for: Callable[[Server], ImageCache],
+    cache_for: Callable[[Server], Puller],
     make_sif: Callable[[dict[str, str]], Path],
 ) -> None:
     blob = a_sif(make_sif, size=3_000_000)
     server.serve(blob, cut_after=2_500_000)
-    cache = cache_for(server)
-    got = cache.ensure(cache.cfg.reference("x:1"))
+    pull = cache_for(server)
+    got = pull.ensure(pull.cfg.reference("x:1"))
     # The same pull asks once more, from what it had (requests reads 1 MiB at a time).
     [again] = server.b.ranges
     assert again in ("bytes=2500000-", f"bytes={2 << 20}-")
@@ -163,20 +164,20 @@ def test_a_download_that_broke_off_is_asked_again_from_where_it_stopped(
 
 def test_a_download_that_keeps_breaking_fails_and_the_next_pull_resumes(
     server: Server,
-    cache_for: Callable[[Server], ImageCache],
+    cache_for: Callable[[Server], Puller],
     make_sif: Callable[[dict[str, str]], Path],
 ) -> None:
     blob = a_sif(make_sif, size=3_000_000)
     server.serve(blob, cut_after=2_500_000, cuts=3)  # every attempt of the pull
-    cache = cache_for(server)
+    pull = cache_for(server)
     with pytest.raises(RegistryUnreachable, match="broke off"):
-        cache.ensure(cache.cfg.reference("x:1"))
-    nothing_published(cache)
-    [partial] = (cache.root / "tmp").iterdir()
+        pull.ensure(pull.cfg.reference("x:1"))
+    nothing_published(pull.cache)
+    [partial] = (pull.cache.root / "tmp").iterdir()
     kept = partial.stat().st_size  # requests reads 1 MiB at a time
     assert kept in (2_500_000, 2 << 20) and partial.read_bytes() == blob[:kept]
     server.b.ranges.clear()
-    got = cache.ensure(cache.cfg.reference("x:1"))
+    got = pull.ensure(pull.cfg.reference("x:1"))
     # From the kept prefix's last whole 4 KiB block (O_DIRECT writes aligned ones).
     assert server.b.ranges == [f"bytes={kept - kept % 4096}-"]
     assert got.path.read_bytes() == blob
@@ -194,14 +195,14 @@ def test_a_registry_that_stalls_mid_download_fails_the_pull_within_one_read_time
     # 2 MB, then silence: past requests' 1 MiB reads, whose transport keeps the stall
     # for its next call rather than letting urllib3 call it an incomplete read
     server.serve(blob, stall_after=2_000_000)
-    cache = cache_for(server, read_timeout=1)
+    pull = cache_for(server, read_timeout=1)
     started = time.monotonic()
     with pytest.raises(RegistryStalled, match=r"stalled|timed out"):
-        cache.ensure(cache.cfg.reference("x:1"))
+        pull.ensure(pull.cfg.reference("x:1"))
     took = time.monotonic() - started
     assert took < 1 + 3, took  # one read timeout, and a little for TLS and the manifest
     assert sum("/blobs/" in path for path, _ in server.b.seen) == 1
-    [partial] = (cache.root / "tmp").iterdir()  # what came is kept for the next pull
+    [partial] = (pull.cache.root / "tmp").iterdir()  # what came is kept for the next pull
     assert partial.read_bytes() == blob[: partial.stat().st_size]
 
 
@@ -225,15 +226,15 @@ def kill_9_pull_when(config: Path, ready: Callable[[], bool]) -> None:
 
 def test_kill_9_mid_pull_then_resume(
     server: Server,
-    cache_for: Callable[[Server], ImageCache],
+    cache_for: Callable[[Server], Puller],
     tmp_path: Path,
     make_sif: Callable[[dict[str, str]], Path],
 ) -> None:
     blob = a_sif(make_sif, size=2_000_000)
     server.serve(blob, delay=0.05)  # about 40 pieces: 2 s for the whole blob
     # One stream, written 64 KiB at a time.
-    cache = cache_for(server, pull_connections=1, pull_stripe_bytes=1 << 16)
-    tmp = cache.root / "tmp"
+    pull = cache_for(server, pull_connections=1, pull_stripe_bytes=1 << 16)
+    tmp = pull.cache.root / "tmp"
 
     def far_enough() -> bool:
         parts = list(tmp.glob("*.partial")) if tmp.exists() else []
@@ -243,36 +244,36 @@ def test_kill_9_mid_pull_then_resume(
     [partial] = tmp.glob("*.partial")
     kept = partial.stat().st_size
     assert 0 < kept < len(blob) and partial.read_bytes() == blob[:kept]
-    nothing_published(cache)
+    nothing_published(pull.cache)
     server.b.delay = 0
     server.b.ranges.clear()
-    got = cache.ensure(cache.cfg.reference("x:1"))
+    got = pull.ensure(pull.cfg.reference("x:1"))
     assert server.b.ranges == [f"bytes={kept - kept % 4096}-"]
     assert got.path.read_bytes() == blob
 
 
 def test_429_then_success(
     server: Server,
-    cache_for: Callable[[Server], ImageCache],
+    cache_for: Callable[[Server], Puller],
     make_sif: Callable[[dict[str, str]], Path],
 ) -> None:
     blob = a_sif(make_sif)
     server.serve(blob, busy=2)
-    cache = cache_for(server)
-    got = cache.ensure(cache.cfg.reference("x:1"))
+    pull = cache_for(server)
+    got = pull.ensure(pull.cfg.reference("x:1"))
     assert got.path.read_bytes() == blob
     assert server.b.manifest_requests == 3  # two 429s, retried, then the answer
 
 
 def test_expired_bearer_token_is_fetched_again(
     server: Server,
-    cache_for: Callable[[Server], ImageCache],
+    cache_for: Callable[[Server], Puller],
     make_sif: Callable[[dict[str, str]], Path],
 ) -> None:
     blob = a_sif(make_sif)
     server.serve(blob, bearer=True)
-    cache = cache_for(server)
-    got = cache.ensure(cache.cfg.reference("proj/x:1"))
+    pull = cache_for(server)
+    got = pull.ensure(pull.cfg.reference("proj/x:1"))
     assert got.path.read_bytes() == blob
     asked = [t for t in server.b.tokens if t != "expired"]
     # One token for the manifest, a fresh one once it expired, for the same repository.
@@ -303,12 +304,12 @@ def test_full_disk_is_a_clear_error_and_leaves_the_cache_consistent(
             f"credentials: {tmp_path / 'none.yaml'}\ncache_dir: {small / 'cache'}\n"
             f"pull_connections: {connections}\npull_stripe_bytes: {1 << 18}\n"
         )
-        cache = ImageCache(load_config(cfg))
+        pull = Puller(ImageCache(load_config(cfg)))
         with pytest.raises(CacheError, match="No space left on device"):
-            cache.ensure(cache.cfg.reference("x:1"))
-        nothing_published(cache)
-        assert not any((cache.root / "tmp").iterdir())  # the partial is gone, space back
-        assert cache.entries() == []
+            pull.ensure(pull.cfg.reference("x:1"))
+        nothing_published(pull.cache)
+        assert not any((pull.cache.root / "tmp").iterdir())  # the partial is gone, space back
+        assert pull.cache.entries() == []
     finally:
         subprocess.run(["umount", str(small)], check=True, timeout=30)
 
@@ -332,14 +333,14 @@ def test_a_large_blob_comes_in_stripes_and_is_verified(
 ) -> None:
     blob = a_sif(make_sif, size=2_000_000)
     server.serve(blob)
-    cache = cache_for(server, **STRIPED)
-    got = cache.ensure(cache.cfg.reference("x:1"))
+    pull = cache_for(server, **STRIPED)
+    got = pull.ensure(pull.cfg.reference("x:1"))
     assert got.path.read_bytes() == blob
     ranges = _asked(server, len(blob))
     assert len(ranges) == -(-len(blob) // (1 << 18))  # one request per stripe
     assert ranges[0][0] == 0 and ranges[-1][1] == len(blob)
     assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # a cover
-    assert not any((cache.root / "tmp").iterdir())  # no partial file left
+    assert not any((pull.cache.root / "tmp").iterdir())  # no partial file left
 
 
 def test_a_registry_that_ignores_range_is_read_in_one_stream(
@@ -347,10 +348,10 @@ def test_a_registry_that_ignores_range_is_read_in_one_stream(
 ) -> None:
     blob = a_sif(make_sif, size=2_000_000)
     server.serve(blob, ignore_range=True)
-    cache = cache_for(server, **STRIPED)
-    got = cache.ensure(cache.cfg.reference("x:1"))
+    pull = cache_for(server, **STRIPED)
+    got = pull.ensure(pull.cfg.reference("x:1"))
     assert got.path.read_bytes() == blob and server.b.ranges  # it asked, then streamed
-    assert not any((cache.root / "tmp").iterdir())
+    assert not any((pull.cache.root / "tmp").iterdir())
 
 
 def test_a_bad_stripe_fails_the_sha256_and_leaves_nothing(
@@ -362,11 +363,11 @@ def test_a_bad_stripe_fails_the_sha256_and_leaves_nothing(
     server.serve(
         bytes(evil), layers=[{"mediaType": SIF_LAYER, "digest": digest_of(good), "size": len(good)}]
     )
-    cache = cache_for(server, **STRIPED)
+    pull = cache_for(server, **STRIPED)
     with pytest.raises(VerificationError, match="sha256 of the download does not match"):
-        cache.ensure(cache.cfg.reference("x:1"))
-    nothing_published(cache)
-    assert not any((cache.root / "tmp").iterdir())
+        pull.ensure(pull.cfg.reference("x:1"))
+    nothing_published(pull.cache)
+    assert not any((pull.cache.root / "tmp").iterdir())
 
 
 def test_a_stripe_that_breaks_off_is_asked_again_from_where_it_stopped(
@@ -375,8 +376,8 @@ def test_a_stripe_that_breaks_off_is_asked_again_from_where_it_stopped(
     blob = a_sif(make_sif, size=2_000_000)
     cut = len(blob) * 5 // 8 + 1000  # inside a stripe, not on a 64 KiB piece's edge
     server.serve(blob, cut_after=cut)
-    cache = cache_for(server, **STRIPED)
-    got = cache.ensure(cache.cfg.reference("x:1"))
+    pull = cache_for(server, **STRIPED)
+    got = pull.ensure(pull.cfg.reference("x:1"))
     assert got.path.read_bytes() == blob
     starts = [a for a, _ in _asked(server, len(blob))]
     assert len(starts) == -(-len(blob) // (1 << 18)) + 1 and cut in starts  # and the rest
@@ -391,15 +392,15 @@ def test_kill_9_mid_striped_pull_resumes_from_the_prefix_it_wrote(
 ) -> None:
     blob = a_sif(make_sif, size=3_000_000)
     server.serve(blob, delay=0.05)  # 64 KiB every 50 ms on each connection
-    cache = cache_for(server, pull_connections=2, pull_stripe_bytes=1 << 16)
-    tmp = cache.root / "tmp"
+    pull = cache_for(server, pull_connections=2, pull_stripe_bytes=1 << 16)
+    tmp = pull.cache.root / "tmp"
 
     def far_enough() -> bool:
         parts = list(tmp.glob("*.partial")) if tmp.exists() else []
         return bool(parts) and parts[0].stat().st_size > 400_000
 
     kill_9_pull_when(tmp_path / "config.yaml", far_enough)
-    nothing_published(cache)
+    nothing_published(pull.cache)
     [partial] = tmp.glob("*.partial")
     kept = partial.stat().st_size
     # Stripes came over two connections, yet the file is the blob's first bytes.
@@ -409,8 +410,8 @@ def test_kill_9_mid_striped_pull_resumes_from_the_prefix_it_wrote(
     again = Server(tls)
     try:
         again.serve(blob)
-        cache = cache_for(again, pull_connections=2, pull_stripe_bytes=1 << 16)
-        got = cache.ensure(cache.cfg.reference("x:1"))
+        pull = cache_for(again, pull_connections=2, pull_stripe_bytes=1 << 16)
+        got = pull.ensure(pull.cfg.reference("x:1"))
     finally:
         again.httpd.shutdown()
     assert got.path.read_bytes() == blob
@@ -426,9 +427,9 @@ def test_pinned_ensures_waiting_for_one_download_ask_the_registry_nothing(
 ) -> None:
     blob = a_sif(make_sif, size=500_000)
     server.serve(blob, delay=0.02)  # the download takes a while: the others queue on it
-    cache = cache_for(server)
-    ref = cache.cfg.reference(f"x@{digest_of(server.b.manifest)}")  # as the prolog has it
-    hits, errors = at_once(lambda: cache.ensure(ref).hit, 8)
+    pull = cache_for(server)
+    ref = pull.cfg.reference(f"x@{digest_of(server.b.manifest)}")  # as the prolog has it
+    hits, errors = at_once(lambda: pull.ensure(ref).hit, 8)
     assert not errors and sorted(hits) == [False] + [True] * 7
     assert server.b.manifest_requests == 1  # only the one that downloaded asked
 
@@ -439,27 +440,28 @@ def test_a_pinned_ensure_that_waited_for_the_download_never_loads_the_registry_c
     """What 16 prologs for one new image pay: each waiter only takes the lock."""
     blob = a_sif(make_sif)
     server.serve(blob)
-    cache = cache_for(server)
+    pull = cache_for(server)
     digest = digest_of(server.b.manifest)
-    cache.make_dirs()
+    pull.cache.make_dirs()
     code = (
-        "import json, sys; from tfimage.agent.config import load_config; "
+        "import json, sys; from tfimage.agent.core.config import load_config; "
+        "from tfimage.agent.cache.pull import Puller; "
         "from tfimage.agent.cache.store import ImageCache; c = load_config(sys.argv[1]); "
-        "g = ImageCache(c).ensure(c.reference(sys.argv[2])); "
+        "g = Puller(ImageCache(c)).ensure(c.reference(sys.argv[2])); "
         "print(json.dumps([g.hit, 'tfimage.agent.registry.client' in sys.modules, "
         "'hashlib' in sys.modules]))"
     )
-    with cache.lock(digest):  # the download in progress, as another pull holds it
+    with pull.cache.lock(digest):  # the download in progress, as another pull holds it
         waiter = subprocess.Popen(
             [sys.executable, "-c", code, str(tmp_path / "config.yaml"), f"x@{digest}"],
             stdout=subprocess.PIPE,
             text=True,
         )
-        lock = cache.root / "locks" / f"{digest.replace(':', '-')}.lock"
+        lock = pull.cache.root / "locks" / f"{digest.replace(':', '-')}.lock"
         wait_for(lambda: flock_waiters(lock) == 1, what="the waiter queued on the lock")
-        done = cache.root / "tmp" / "published"
+        done = pull.cache.root / "tmp" / "published"
         done.write_bytes(blob)
-        done.rename(cache.path_of(digest))  # the download finished
+        done.rename(pull.cache.path_of(digest))  # the download finished
     out, _ = waiter.communicate(timeout=30)
     # A hit, and neither the registry client nor hashlib (OpenSSL's start) loaded.
     assert json.loads(out) == [True, False, False]
@@ -565,11 +567,11 @@ def three(tls: Path) -> Iterator[list[Server]]:
 
 def _with_mirrors(
     cache_for: CacheFor, registry: Server, mirrors: list[str], tmp_path: Path
-) -> ImageCache:
-    cache = cache_for(registry)
+) -> Puller:
+    pull = cache_for(registry)
     cfg = tmp_path / "config.yaml"
     cfg.write_text(cfg.read_text() + f"mirrors: {mirrors}\nconnect_timeout: 1\n")
-    return ImageCache(load_config(cfg), client_factory=cache._client_factory)
+    return Puller(ImageCache(load_config(cfg)), client_factory=pull._client_factory)
 
 
 def test_a_registry_still_answering_5xx_moves_the_pull_to_the_mirror(
@@ -579,8 +581,8 @@ def test_a_registry_still_answering_5xx_moves_the_pull_to_the_mirror(
     blob = a_sif(make_sif)
     primary.serve(blob, status=503)
     mirror.serve(blob)
-    cache = _with_mirrors(cache_for, primary, [mirror.host], tmp_path)
-    got = cache.ensure(cache.cfg.reference("x:1"))
+    pull = _with_mirrors(cache_for, primary, [mirror.host], tmp_path)
+    got = pull.ensure(pull.cfg.reference("x:1"))
     assert got.source == mirror.host and got.path.read_bytes() == blob
     assert len(primary.b.seen) >= 2  # asked again (retries) before the mirror served
 
@@ -593,11 +595,11 @@ def test_two_mirrors_are_tried_in_order_and_the_record_names_the_one_that_served
     primary.serve(blob, status=502)
     first.serve(blob, status=503)
     second.serve(blob)
-    cache = _with_mirrors(cache_for, primary, [first.host, second.host], tmp_path)
-    got = cache.ensure(cache.cfg.reference("x:1"))
+    pull = _with_mirrors(cache_for, primary, [first.host, second.host], tmp_path)
+    got = pull.ensure(pull.cfg.reference("x:1"))
     assert got.source == second.host
     assert first.b.seen and second.b.seen  # the first was asked, then the second
-    assert cache.read_meta(str(got.ref.digest))["source"] == second.host
+    assert pull.cache.read_entry(str(got.ref.digest)).source == second.host
 
 
 @pytest.mark.parametrize("status", [404, 403])
@@ -614,9 +616,9 @@ def test_a_4xx_from_the_registry_is_final_and_no_mirror_is_asked(
     blob = a_sif(make_sif)
     primary.serve(blob, status=status)
     mirror.serve(blob)
-    cache = _with_mirrors(cache_for, primary, [mirror.host], tmp_path)
+    pull = _with_mirrors(cache_for, primary, [mirror.host], tmp_path)
     with pytest.raises(RegistryError):
-        cache.ensure(cache.cfg.reference("x:1"))
+        pull.ensure(pull.cfg.reference("x:1"))
     assert mirror.b.seen == []
 
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from support import Registry
+from tfimage.agent.cache.pull import Puller
 from tfimage.agent.cache.store import ImageCache
-from tfimage.agent.config import load_config
-from tfimage.agent.errors import RegistryError
+from tfimage.agent.core.config import load_config
+from tfimage.agent.core.errors import RegistryError
 from tfimage.agent.registry.transport import RequestsTransport, StdlibTransport, Transport
 from tokenauth import TokenService
 
@@ -47,7 +48,7 @@ def test_push_then_pull_through_the_cache(
         token_registry.write_site(tmp_path, pull_connections="3", pull_stripe_bytes="65536")
     )
     before = len(token_service.scopes)
-    got = ImageCache(cfg).ensure(cfg.reference(f"{repo.removeprefix('library/')}:1"))
+    got = Puller(ImageCache(cfg)).ensure(cfg.reference(f"{repo.removeprefix('library/')}:1"))
     assert got.ref.digest == digest and not got.hit
     assert got.path.read_bytes() == sif.read_bytes()
     # The manifest, then each stripe connection with a token of its own, all for

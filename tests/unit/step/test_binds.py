@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tfimage.agent.errors import BindError
+from tfimage.agent.core.errors import BindError
 from tfimage.agent.step.binds import parse_binds, parse_user_binds
 from tfimage.agent.step.runtime import Bind
 

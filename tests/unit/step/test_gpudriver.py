@@ -17,8 +17,8 @@ import yaml
 from gpus import SOURCE, node, nvmlcount_rootfs
 
 from support import build_sif, need
-from tfimage.agent.config import config_from_mapping
-from tfimage.agent.errors import ConfigError, RuntimeSetupError
+from tfimage.agent.core.config import config_from_mapping
+from tfimage.agent.core.errors import ConfigError, RuntimeSetupError
 from tfimage.agent.step import imagemount
 from tfimage.agent.step.elfname import soname
 from tfimage.agent.step.gpudriver import ABI, BIN_DIR, LIB_DIR, driver_binds, from_ldconfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tfimage.agent.config import config_from_mapping
+from tfimage.agent.core.config import config_from_mapping
 from tfimage.agent.step.gpushare import LIMIT, mps_memory_limit
 from tfimage.agent.step.plan import StepRequest, step_env
 from tfimage.agent.step.taskenv import task_env

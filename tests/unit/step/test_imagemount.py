@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from support import add_privileges, build_sif, need
-from tfimage.agent.errors import RuntimeSetupError
-from tfimage.agent.fsutil import held
+from tfimage.agent.core.errors import RuntimeSetupError
+from tfimage.agent.core.fsutil import held
 from tfimage.agent.step import imagemount
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from support import Registry
-from tfimage.agent.config import compile_config
+from tfimage.agent.core.config import compile_config
 from tfimage.agent.step.imagemount import release_images, release_job
 
 HEAVY = ("requests", "yaml", "oras", "psutil", "pynvml")

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from support import Registry
+from tfimage.agent.cache.pull import Puller
 from tfimage.agent.cache.store import ImageCache
-from tfimage.agent.config import config_from_mapping, load_config
-from tfimage.agent.errors import ConfigError
+from tfimage.agent.core.config import config_from_mapping, load_config
+from tfimage.agent.core.errors import ConfigError
 from tfimage.agent.step import imagemount, slurmstubs
 
 FSTYPE = {
@@ -139,10 +140,10 @@ def test_trust_follows_where_the_bytes_came_from_not_the_name_a_job_uses(
         )
     )
     cache = ImageCache(cfg)
-    cache.ensure(cfg.reference(f"alice/evil@{digest}"))
-    hit = cache.ensure(cfg.reference(f"library/tf-custom@{digest}"))
+    Puller(cache).ensure(cfg.reference(f"alice/evil@{digest}"))
+    hit = Puller(cache).ensure(cfg.reference(f"library/tf-custom@{digest}"))
     assert hit.hit
-    origin = cache.read_meta(digest)["origin"]
+    origin = cache.read_entry(digest).origin
     assert origin == f"{registry.host}/alice/evil"
     assert cfg.mount_drivers(origin) == ("squashfuse_ll",)
 

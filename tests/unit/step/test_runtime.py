@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tfimage.agent.config import config_from_mapping
+from tfimage.agent.core.config import config_from_mapping
 from tfimage.agent.step.runtime import Apptainer, Bind, Charliecloud, StepSpec, runtime_for
 
 SPEC = StepSpec(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tfimage.agent.config import Config
-from tfimage.agent.errors import StepLayoutError
+from tfimage.agent.core.config import Config
+from tfimage.agent.core.errors import StepLayoutError
 from tfimage.agent.step.hostlist import expand_counts, expand_hostlist
 from tfimage.agent.step.plan import StepRequest, step_env
 from tfimage.agent.step.taskenv import (

@@ -1,4 +1,4 @@
-"""``--tf-mount`` sources resolved as the job's user, and checked where they lead."""
+"""``--tf-mount`` host paths resolved as the job's user, and checked where they lead."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tfimage.agent.config import Config
-from tfimage.agent.errors import BindError
+from tfimage.agent.core.config import Config
+from tfimage.agent.core.errors import BindError
 from tfimage.agent.step.binds import parse_binds
 from tfimage.agent.step.plan import _resolved
 from tfimage.agent.step.userpath import realpaths_as

@@ -9,9 +9,9 @@ import pytest
 from hostile import Server
 
 from support import Registry
-from tfimage.agent.config import load_config
-from tfimage.agent.errors import ImageNotFound, RegistryError
-from tfimage.agent.reference import Reference
+from tfimage.agent.core.config import load_config
+from tfimage.agent.core.errors import ImageNotFound, RegistryError
+from tfimage.agent.core.reference import Reference
 from tfimage.agent.registry.client import RegistryClient
 from tfimage.agent.submit.pin import pin
 from tfimage.agent.submit.suggest import message

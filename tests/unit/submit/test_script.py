@@ -185,8 +185,15 @@ def test_srun_lines_keep_the_batch_script_on_the_host() -> None:
     ]
 
 
-@given(st.lists(st.text(alphabet=st.characters(blacklist_characters="\r\x0b\x0c\x1c\x1d\x1e"
-                                               "\x85\u2028\u2029"), max_size=60), max_size=20))
+@given(
+    st.lists(
+        st.text(
+            alphabet=st.characters(blacklist_characters="\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"),
+            max_size=60,
+        ),
+        max_size=20,
+    )
+)
 def test_a_script_without_an_exec_comes_back_byte_for_byte(lines: list[str]) -> None:
     text = "\n".join(x.replace("singularity", "s").replace("apptainer", "a") for x in lines)
     got = convert(text)

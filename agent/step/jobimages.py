@@ -1,17 +1,21 @@
-"""What a job's prolog and steps on a node know of its images (one small file)."""
+"""What a job's prolog and steps on a node know of its images (one small file).
+
+"Record" in tfimage is the usage record alone (usage/record.py); this is the job's
+image list, ``layout.job_images``."""
 
 from __future__ import annotations
 
 import json
 
-from tfimage.agent.config import Config
-from tfimage.agent.fsutil import write_json
-from tfimage.agent.logtext import oneline
+from tfimage.agent.core import layout
+from tfimage.agent.core.config import Config
+from tfimage.agent.core.fsutil import write_json
+from tfimage.agent.core.logtext import oneline
 from tfimage.agent.step import imagemount
 
 
-class JobRecord:
-    """``state_dir/jobs/<job>.images.json``: for each image text the job uses on this
+class JobImages:
+    """``jobs/<job>.images.json`` (core/layout.py): for each image text the job uses on this
     node, the reference it was pinned to, or why the prolog could not ready it::
 
         {"pinned": {"reg/library/x:1": "reg/library/x:1@sha256:..."},
@@ -23,7 +27,7 @@ class JobRecord:
     def __init__(self, cfg: Config, job_id: str) -> None:
         self.cfg = cfg
         self.job_id = job_id
-        self.path = imagemount.job_dir(cfg.state_dir, job_id).with_suffix(".images.json")
+        self.path = layout.job_images(cfg.state_dir, job_id)
 
     def _load(self) -> dict[str, dict[str, str]]:
         try:
@@ -32,10 +36,6 @@ class JobRecord:
             raw = {}
         out: dict[str, dict[str, str]] = {"pinned": {}, "failed": {}}
         if not isinstance(raw, dict):
-            return out
-        if "pinned" not in raw and "failed" not in raw:
-            # what tfimage wrote before failures were kept: {image: pinned}
-            out["pinned"] = {k: v for k, v in raw.items() if isinstance(v, str)}
             return out
         for part in out:
             got = raw.get(part)
@@ -51,11 +51,11 @@ class JobRecord:
 
     def _change(self, part: str, key: str, value: str) -> None:
         with imagemount.job_lock(self.cfg.state_dir, self.job_id):
-            record = self._load()
-            record[part][key] = value
+            images = self._load()
+            images[part][key] = value
             if part == "pinned":
-                record["failed"].pop(key, None)
-            write_json(self.path, record, mode=0o600)
+                images["failed"].pop(key, None)
+            write_json(self.path, images, mode=0o600)
 
     def set_pinned(self, key: str, pinned: str) -> None:
         self._change("pinned", key, pinned)

@@ -3,7 +3,7 @@
 Slurm drains a node whose Prolog or Epilog exits non-zero.  An image, a registry or a
 job is never the node's fault, so :func:`guarded` turns every exception (a bug, a
 full filesystem, a hostile input, argparse's usage error, SIGTERM) into one log line
-and exit 0.  The one exception is :class:`~tfimage.agent.errors.NodeFault`: a fault
+and exit 0.  The one exception is :class:`~tfimage.agent.core.errors.NodeFault`: a fault
 of the node's own hardware, for which draining is the point.
 
 One line per event, to stderr (slurmd's log, or the daemon's answer) and to the hook
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from tfimage.agent.errors import NodeFault, TfimageError
-from tfimage.agent.logtext import oneline
+from tfimage.agent.core.errors import NodeFault, TfimageError
+from tfimage.agent.core.logtext import oneline
 
 LOG_FILE = Path("/var/log/tfimage/hooks.log")
 # Above any line a hook writes; what a log shipper takes as one record.

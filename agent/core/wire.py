@@ -1,4 +1,10 @@
-"""Every message between the C plugin (``spank/``) and the Python side, in one place.
+"""Every name and message that crosses a process boundary, in one place: between the
+C plugin (``spank/``) and the Python side, and from Slurm to the hooks.
+
+0. **Names**: the job's control environment (:data:`CONTROL_IMAGE` and the names
+   the hooks and steps see it by), plugstack.conf's keys and their defaults
+   (:data:`PLUGSTACK_KEYS`; ``spank/args.c`` takes its defaults from wire.h, the
+   config its path and deadline from here).
 
 The C side follows this module: ``spank/wire.h`` defines the same constants, and a
 unit test parses that header against :data:`C_CONSTANTS`.  A cluster test captures
@@ -26,7 +32,7 @@ it against the parsers here, both ways.
 3. **step-prepare answer**: NUL-separated tokens, each followed by a NUL::
 
        argv N a1 .. aN        the runtime's argv prefix (a1 absolute)
-       src PATH               a --tf-mount source each task checks, as the user
+       src PATH               a --tf-mount host path each task checks, as the user
        env L NAME VALUE       set NAME=VALUE in local task L unless the user did
 
 4. **submit-check** (``spank/submit.c`` -> the pin socket, or the helper)::
@@ -44,11 +50,13 @@ it against the parsers here, both ways.
                       --user=NAME --uid=N --account=A --partition=P --array-job=N
                       --array-task=N --exit=E:S --exit-raw=STATUS --gpus=LIST --mps=PCT
 
-   (:data:`HOOK_FLAGS`.)  The epilog's are Slurm's ``SLURM_JOB_*`` and
-   ``SLURM_ARRAY_*`` (``--exit`` is ``SLURM_JOB_EXIT_CODE2``), and ``--asked`` the
-   ``--tf-image`` text as the user wrote it, for the usage record.  ``--gpus`` and
-   ``--mps`` are Slurm's ``SLURM_JOB_GPUS`` (else ``CUDA_VISIBLE_DEVICES``) and
-   ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, empty for none.
+   :data:`HOOK_FLAGS` names the Slurm variable each comes from, and the hooks'
+   parsers are built from it (hooks/args.py): the epilog's are Slurm's
+   ``SLURM_JOB_*`` and ``SLURM_ARRAY_*`` (``--exit`` is ``SLURM_JOB_EXIT_CODE2``),
+   and ``--asked`` the ``--tf-image`` text as the user wrote it, for the usage
+   record.  ``--gpus`` and ``--mps`` are Slurm's ``SLURM_JOB_GPUS`` (else
+   ``CUDA_VISIBLE_DEVICES``) and ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, empty for
+   none.
 
    ``tfimage-hook SOCKET DEADLINE PROGRAM ARGS...`` waits ``DEADLINE`` +
    :data:`HOOK_GRACE` seconds, and runs ``PROGRAM`` itself only when no daemon
@@ -58,10 +66,10 @@ it against the parsers here, both ways.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tfimage.agent.errors import RequestError
+from tfimage.agent.core.errors import RequestError
 
 MAGIC = b"TFI1\0"
 ANSWER_HEADER = struct.Struct(">iI")
@@ -74,27 +82,74 @@ HOOK_GRACE = 30
 STEP_PREPARE = "step-prepare"
 SUBMIT_CHECK = "submit-check"
 HOOKS = ("tfimage-prolog", "tfimage-epilog")
-# Each hook's arguments, in the order the role's scripts send them (5).
-HOOK_FLAGS = {
-    "tfimage-prolog": ("--config", "--job", "--image", "--node", "--gpus", "--mps"),
+
+# -- 0. names that cross a process boundary outside the messages ---------------------
+
+# The job's control environment, set at submit (spank_job_control_setenv): the
+# prolog and epilog see it as SPANK_<NAME>, the batch step and its sruns as
+# SLURM_SPANK_<NAME> (which is how an srun inside a job inherits the image).
+CONTROL_IMAGE = "TFIMAGE_IMAGE"
+PROLOG_IMAGE_VAR = "SPANK_" + CONTROL_IMAGE
+STEP_IMAGE_VAR = "SLURM_SPANK_" + CONTROL_IMAGE
+# The --tf-image text as the user wrote it, as Slurm hands SPANK options to hooks.
+ASKED_IMAGE_VAR = "SPANK__SLURM_SPANK_OPTION_tfimage_tf_image"
+# Where the CLI finds the config when --config is not given.
+CONFIG_VAR = "TFIMAGE_CONFIG"
+
+# plugstack.conf's arguments (spank/args.c) and their defaults.  The config's own
+# defaults (core/config.py) take the path and the deadline from here.
+DEFAULT_CONFIG = "/etc/tfimage/config.yaml"
+DEFAULT_HELPER = "/opt/tfimage/bin/tfimage"
+DEFAULT_SUBMIT_TIMEOUT = 30
+DEFAULT_HOOK_DEADLINE = 600  # the config's hook_deadline; prepare_timeout adds HOOK_GRACE
+PLUGSTACK_KEYS = ("helper", "config", "daemon", "pin_socket", "submit_timeout", "prepare_timeout")
+
+
+@dataclass(frozen=True)
+class HookFlag:
+    """One argument of a node hook (5): its flag, the Slurm variables it comes from
+    (the first one set wins, as the role's scripts write ``${A:-${B:-}}``), and the
+    name the hook (and the usage record) gives it."""
+
+    name: str
+    env: tuple[str, ...]
+    dest: str
+
+
+_JOB = HookFlag("--job", ("SLURM_JOB_ID",), "job_id")
+_IMAGE = HookFlag("--image", (PROLOG_IMAGE_VAR,), "image")
+_NODE = HookFlag("--node", ("SLURMD_NODENAME",), "node")
+# The job's GPUs: node-wide indices or UUIDs (gpu/alloc.py).
+_GPUS = HookFlag("--gpus", ("SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"), "gpus")
+_MPS = HookFlag("--mps", ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",), "mps")
+
+# Each hook's arguments after ``--config=PATH``, in the order the role's scripts
+# send them (5); tests/unit/deploy/test_hook_scripts.py holds the scripts to it.
+HOOK_FLAGS: dict[str, tuple[HookFlag, ...]] = {
+    "tfimage-prolog": (_JOB, _IMAGE, _NODE, _GPUS, _MPS),
     "tfimage-epilog": (
-        "--config",
-        "--job",
-        "--image",
-        "--asked",
-        "--node",
-        "--user",
-        "--uid",
-        "--account",
-        "--partition",
-        "--array-job",
-        "--array-task",
-        "--exit",
-        "--exit-raw",
-        "--gpus",
-        "--mps",
+        _JOB,
+        _IMAGE,
+        HookFlag("--asked", (ASKED_IMAGE_VAR,), "image_asked"),
+        _NODE,
+        HookFlag("--user", ("SLURM_JOB_USER",), "user"),
+        HookFlag("--uid", ("SLURM_JOB_UID",), "uid"),
+        HookFlag("--account", ("SLURM_JOB_ACCOUNT",), "account"),
+        HookFlag("--partition", ("SLURM_JOB_PARTITION",), "partition"),
+        HookFlag("--array-job", ("SLURM_ARRAY_JOB_ID",), "array_job_id"),
+        HookFlag("--array-task", ("SLURM_ARRAY_TASK_ID",), "array_task_id"),
+        HookFlag("--exit", ("SLURM_JOB_EXIT_CODE2",), "exit"),
+        HookFlag("--exit-raw", ("SLURM_JOB_EXIT_CODE",), "exit_raw"),
+        _GPUS,
+        _MPS,
     ),
 }
+
+
+def hook_default(flag: HookFlag, environ: Mapping[str, str]) -> str:
+    """The flag's value when the hook runs without it (directly as Slurm's Prolog)."""
+    return next((environ[v] for v in flag.env if environ.get(v)), "")
+
 
 TOK_ARGV, TOK_SRC, TOK_ENV = "argv", "src", "env"
 
@@ -152,6 +207,12 @@ C_CONSTANTS: dict[str, str | int] = {
     "TFI_TOK_ARGV": TOK_ARGV,
     "TFI_TOK_SRC": TOK_SRC,
     "TFI_TOK_ENV": TOK_ENV,
+    "TFI_CONTROL_IMAGE": CONTROL_IMAGE,
+    "TFI_STEP_IMAGE_VAR": STEP_IMAGE_VAR,
+    "TFI_DEFAULT_CONFIG": DEFAULT_CONFIG,
+    "TFI_DEFAULT_HELPER": DEFAULT_HELPER,
+    "TFI_DEFAULT_SUBMIT_TIMEOUT": DEFAULT_SUBMIT_TIMEOUT,
+    "TFI_DEFAULT_HOOK_DEADLINE": DEFAULT_HOOK_DEADLINE,
     **{
         "TFI_ARG_" + f.name[2:].upper().replace("-", "_"): f.name + ("=" if f.value else "")
         for f in STEP_PREPARE_FLAGS + SUBMIT_CHECK_FLAGS
@@ -209,10 +270,10 @@ def step_prepare_flags(args: Sequence[str]) -> list[str]:
 
 
 def encode_step_answer(
-    argv: Sequence[str], sources: Sequence[str], env: dict[int, dict[str, str]]
+    argv: Sequence[str], host_paths: Sequence[str], env: dict[int, dict[str, str]]
 ) -> bytes:
     tokens = [TOK_ARGV, str(len(argv)), *argv]
-    for src in sources:
+    for src in host_paths:
         tokens += [TOK_SRC, src]
     for local, names in sorted(env.items()):
         for name, value in sorted(names.items()):
@@ -223,7 +284,7 @@ def encode_step_answer(
 @dataclass(frozen=True)
 class StepAnswer:
     argv: list[str]
-    sources: list[str]
+    host_paths: list[str]
     env: dict[int, dict[str, str]]
 
 
@@ -238,19 +299,19 @@ def decode_step_answer(data: bytes) -> StepAnswer:
     argv = tok[2 : 2 + n]
     if not 1 <= n <= 256 or len(argv) != n or not argv[0].startswith("/"):
         raise RequestError("step-prepare answer: a bad argv")
-    sources: list[str] = []
+    host_paths: list[str] = []
     env: dict[int, dict[str, str]] = {}
     i = 2 + n
     while i < len(tok):
         if tok[i] == TOK_SRC and i + 1 < len(tok):
-            sources.append(tok[i + 1])
+            host_paths.append(tok[i + 1])
             i += 2
         elif tok[i] == TOK_ENV and i + 3 < len(tok) and tok[i + 1].isdigit():
             env.setdefault(int(tok[i + 1]), {})[tok[i + 2]] = tok[i + 3]
             i += 4
         else:
             raise RequestError(f"step-prepare answer: unexpected token {tok[i][:40]!r}")
-    return StepAnswer(argv, sources, env)
+    return StepAnswer(argv, host_paths, env)
 
 
 # -- 4. submit-check -------------------------------------------------------------------

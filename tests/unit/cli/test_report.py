@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 from usagegen import Gen, generate
 
+from tfimage.agent.cli import report
 from tfimage.agent.cli.main import main as cli
-from tfimage.agent.errors import InputError
-from tfimage.agent.usage import record, report
+from tfimage.agent.core.errors import InputError
+from tfimage.agent.usage import record
 
 RECORDS = 100_000
 
@@ -202,7 +203,7 @@ def test_the_plot_is_a_png_of_the_promised_size(
     root, _ = logs
     out = tmp_path / "usage.png"
     assert cli(["usage", "report", str(root), "--trend", "day", "--plot", str(out)]) == 0
-    from tfimage.agent.usage.plot import HEIGHT, WIDTH
+    from tfimage.agent.cli.plot import HEIGHT, WIDTH
 
     assert _png_size(out) == (WIDTH, HEIGHT) == (1200, 900)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Sequence
 
-from tfimage.agent.errors import RuntimeSetupError
+from tfimage.agent.core.errors import RuntimeSetupError
 
 # A fixed, minimal environment: nothing from a job leaks into root-side tools.
 SAFE_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}

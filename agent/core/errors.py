@@ -27,7 +27,7 @@
 
 Anything else escaping is a bug; the CLI prints it as one line with exit 70, and
 :func:`cause` is what a hook or the daemon logs for any exception.  The
-node hooks (hooklog.guarded) exit 0 for every exception but ``NodeFault``: only a
+node hooks (hooks/log.py's guarded) exit 0 for every exception but ``NodeFault``: only a
 fault of the node may drain it.
 """
 

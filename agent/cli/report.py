@@ -22,7 +22,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.errors import InputError
+from tfimage.agent.core.errors import InputError
 from tfimage.agent.usage import record
 
 BY = ("image", "user", "partition", "node")

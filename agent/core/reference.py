@@ -34,14 +34,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tfimage.agent.errors import ImageReferenceError
+from tfimage.agent.core.errors import ImageReferenceError
+from tfimage.agent.core.ids import DIGEST
 
 MAX_REFERENCE = 512
 MAX_REPOSITORY = 255
 
 _COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*\Z")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}\Z")
 _HOST = re.compile(
     r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
     r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
@@ -85,7 +85,7 @@ class Reference:
 
     def pinned(self, digest: str) -> Reference:
         """This reference with ``digest`` attached (the tag is kept for the record)."""
-        if not _DIGEST.match(digest):
+        if not DIGEST.match(digest):
             raise ImageReferenceError(f"not a sha256 digest: {digest!r}")
         return Reference(self.registry, self.repository, self.tag, digest, self.transport)
 
@@ -126,7 +126,7 @@ def parse_reference(
     digest: str | None = None
     if "@" in rest:
         rest, digest = rest.split("@", 1)
-        if not _DIGEST.match(digest):
+        if not DIGEST.match(digest):
             raise _fail(text, "digest must be 'sha256:' followed by 64 lowercase hex digits")
 
     tag: str | None = None

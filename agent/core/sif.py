@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from tfimage.agent.errors import VerificationError
+from tfimage.agent.core.errors import VerificationError
 
 MAGIC = b"SIF_MAGIC\x00"
 MAGIC_OFFSET = 32

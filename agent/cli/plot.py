@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.errors import InputError
+from tfimage.agent.core.errors import InputError
 
 WIDTH, HEIGHT, DPI = 1200, 900, 100  # pixels of the PNG
 

@@ -1,6 +1,6 @@
 """The ``gpu:`` section of the site config: what the GPU gate checks and what it does.
 
-Every threshold, switch and severity has a default here, each citing its source.
+Every threshold, switch and severity has a default here, each citing where it comes from.
 Unknown keys are errors, as in the rest of the config.
 
     gpu:
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.errors import ConfigError
+from tfimage.agent.core.errors import ConfigError
 
 # What each check is, in the order the gate runs them; the severity each has unless
 # the site says otherwise.  Drain-class findings drain the node (the only reason a

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.errors import ConfigError, ImageReferenceError
-from tfimage.agent.gpuconfig import GpuPolicy, gpu_policy
-from tfimage.agent.reference import (
+from tfimage.agent.core import wire
+from tfimage.agent.core.errors import ConfigError, ImageReferenceError
+from tfimage.agent.core.gpuconfig import GpuPolicy, gpu_policy
+from tfimage.agent.core.reference import (
     DOCKER_HUB,
     Reference,
     check_allowed,
@@ -25,7 +26,7 @@ from tfimage.agent.reference import (
     parse_reference,
 )
 
-DEFAULT_PATH = Path("/etc/tfimage/config.yaml")
+DEFAULT_PATH = Path(wire.DEFAULT_CONFIG)
 RUNTIMES = ("charliecloud", "apptainer", "singularity")
 MOUNT_DRIVERS = ("kernel", "squashfuse_ll", "squashfuse")
 
@@ -48,7 +49,7 @@ class Config:
     # the prolog gives up at it; the daemon, tfimage-hook and the plugin wait a
     # little longer (wire.HOOK_GRACE), never starting a second run.  Keep it below
     # Slurm's PrologEpilogTimeout (the role and doctor check).
-    hook_deadline: float = 600.0
+    hook_deadline: float = float(wire.DEFAULT_HOOK_DEADLINE)
     hook_log: str = "/var/log/tfimage/hooks.log"
     # Token services (Bearer realms) that may receive the registry credentials, by
     # host name, besides the registry's own host.
@@ -251,23 +252,8 @@ def _coerce(key: str, value: Any, path: Path) -> Any:
     return value
 
 
-# Keys renamed for one word per idea ("bind": a path bound into the container; the
-# "image mount" is the SIF's); the old spellings are read for one release.
-RENAMED = {"default_mounts": "default_binds", "mount_prefixes": "bind_prefixes"}
-
-
-def renamed_keys(data: dict[str, Any]) -> list[str]:
-    """The old spellings a config still uses (doctor says so)."""
-    return sorted(k for k in data if k in RENAMED)
-
-
 def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Config:
     data = dict(data)
-    for old, new in RENAMED.items():
-        if old in data:
-            if new in data:
-                raise ConfigError(f"{path}: '{old}' is the old name of '{new}': give one")
-            data[new] = data.pop(old)
     known = {f.name for f in fields(Config)}
     unknown = sorted(set(data) - known)
     if unknown:
@@ -321,7 +307,7 @@ def compiled_path(path: Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
-def _source_key(st: os.stat_result) -> dict[str, int]:
+def _yaml_stamp(st: os.stat_result) -> dict[str, int]:
     return {"ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
@@ -344,7 +330,7 @@ def _compiled(p: Path, st: os.stat_result) -> dict[str, Any] | None:
         doc = json.loads(c.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(doc, dict) or doc.get("source") != _source_key(st):
+    if not isinstance(doc, dict) or doc.get("made_from") != _yaml_stamp(st):
         return None
     data = doc.get("settings")
     return data if isinstance(data, dict) else None
@@ -399,7 +385,7 @@ def compile_config(path: str | Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump({"source": _source_key(st), "settings": data}, f, sort_keys=True)
+            json.dump({"made_from": _yaml_stamp(st), "settings": data}, f, sort_keys=True)
         os.chmod(tmp, 0o644)
         os.replace(tmp, out)
     except OSError:

@@ -14,7 +14,7 @@ import signal
 from collections.abc import Iterator
 from types import FrameType
 
-from tfimage.agent.errors import DeadlineExceeded
+from tfimage.agent.core.errors import DeadlineExceeded
 
 
 @contextlib.contextmanager

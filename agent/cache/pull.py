@@ -1,0 +1,278 @@
+"""Filling the cache: :meth:`Puller.ensure` makes an image a cache entry (store.py).
+
+It asks the site's registry and then its mirrors in turn, each taken over when the
+one before is unreachable; requests for one tag at once ask once (coalesce.py),
+and one image is downloaded once however many wait for it (its digest's lock).
+An OCI image is converted to SIF once (convert.py) and cached under its manifest
+digest.  A download is appended to its partial file in ``tmp/`` (on the same
+filesystem as ``images/``; where each lies: core/layout.py) in order, large ones
+over several connections at once (download.py), so an interrupted one is always a
+prefix of the blob and the next pull resumes it from its end.  It is checked for
+size, sha256 and SIF magic and fsynced before it is published.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tfimage.agent.cache.store import CHUNK, ImageCache, discard
+from tfimage.agent.core import layout
+from tfimage.agent.core.config import Config
+from tfimage.agent.core.errors import (
+    CacheError,
+    RangeUnsupported,
+    RegistryError,
+    RegistryUnreachable,
+    VerificationError,
+)
+from tfimage.agent.core.reference import Reference
+from tfimage.agent.core.sif import has_magic
+
+if TYPE_CHECKING:  # the registry client (and its transport) load only when needed
+    from tfimage.agent.registry.artifact import SifLayer
+    from tfimage.agent.registry.client import Manifest, RegistryClient
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class CachedImage:
+    ref: Reference  # pinned
+    path: Path
+    size: int
+    hit: bool
+    seconds: float
+    source: str | None = None  # the registry or mirror that served it (None: cache hit)
+
+
+def _client(cfg: Config, host: str) -> RegistryClient:
+    from tfimage.agent.registry.access import client_for  # only a download needs it
+
+    return client_for(cfg, host, light=True)
+
+
+class Puller:
+    """Pulls into ``cache``, with a client per registry host from ``client_factory``."""
+
+    def __init__(
+        self, cache: ImageCache, client_factory: Callable[[str], RegistryClient] | None = None
+    ) -> None:
+        self.cache = cache
+        self.cfg = cache.cfg
+        # The stdlib transport for all of it: the many callers that only resolve a
+        # tag, or wait on another's download, never import requests, and the one
+        # that downloads reads straight into its buffers (transport.py).
+        self._client_factory = client_factory or (lambda host: _client(cache.cfg, host))
+
+    def ensure(
+        self, ref: Reference, progress: Progress | None = None, job: str | None = None
+    ) -> CachedImage:
+        """Make sure the image ``ref`` names is in the cache; return it pinned.
+
+        ``job`` (the prolog's and the steps') becomes a holder: eviction never takes
+        an image a running job holds.
+        """
+        started = time.monotonic()
+        cache = self.cache
+        cache.make_dirs()
+        if ref.digest and cache.path_of(ref.digest).exists():
+            # Pinned and present: no registry round trip, not even an import.
+            path = cache.path_of(ref.digest)
+            cache.touch(ref, ref.digest, job=job)
+            return CachedImage(ref, path, path.stat().st_size, True, time.monotonic() - started)
+        last: RegistryUnreachable | None = None
+        for host in self.cfg.sources(ref):
+            try:
+                if ref.digest:
+                    # Pinned (the prolog's case): the lock first, so the jobs waiting
+                    # for one download find it done and ask the registry nothing (nor
+                    # import its client).
+                    with cache.lock(ref.digest):
+                        path = cache.path_of(ref.digest)
+                        hit = path.exists()
+                        if not hit:
+                            self._fill(self._client_factory(host), host, ref, progress, job)
+                    pinned = ref
+                else:
+                    # By tag: requests for the same tag at once ask the registry once
+                    # (coalesce.py), then wait on the digest's lock as pinned ones do.
+                    from tfimage.agent.cache.coalesce import resolve_tag  # hashlib: not on a hit
+
+                    asked: list[tuple[RegistryClient, Manifest]] = []
+                    digest = resolve_tag(
+                        cache.root,
+                        f"{host}/{ref.repository}:{ref.version}",
+                        started,
+                        functools.partial(self._ask, host, ref, asked),
+                    )
+                    pinned = ref.pinned(digest)
+                    path = cache.path_of(digest)
+                    with cache.lock(digest):
+                        hit = path.exists()
+                        if hit:
+                            pass
+                        elif asked:
+                            client, manifest = asked[0]
+                            self._fill(client, host, pinned, progress, job, manifest)
+                        else:  # another asked for the tag: the manifest by its digest
+                            self._fill(self._client_factory(host), host, pinned, progress, job)
+                if hit:
+                    cache.touch(pinned, pinned.digest or "", job=job)
+            except RegistryUnreachable as e:
+                last = e  # this one is down: the next mirror serves
+                continue
+            return CachedImage(
+                pinned,
+                path,
+                path.stat().st_size,
+                hit,
+                time.monotonic() - started,
+                None if hit else host,
+            )
+        assert last is not None
+        raise last
+
+    def _ask(self, host: str, ref: Reference, into: list[tuple[RegistryClient, Manifest]]) -> str:
+        """The tag's digest from ``host``; the client and manifest go ``into`` the list,
+        for the download that follows."""
+        client = self._client_factory(host)
+        manifest = client.manifest(ref.repository, ref.version)
+        into.append((client, manifest))
+        return manifest.digest
+
+    def _fill(
+        self,
+        client: RegistryClient,
+        host: str,
+        pinned: Reference,
+        progress: Progress | None,
+        job: str | None,
+        manifest: Manifest | None = None,
+    ) -> None:
+        """Under the digest's lock: put the image ``pinned`` names into the cache,
+        with its metadata (published together: see :meth:`ImageCache.publish`)."""
+        from tfimage.agent.cache.convert import is_image_manifest, oci_to_sif
+        from tfimage.agent.registry.artifact import sif_layer
+
+        assert pinned.digest
+        root = self.cache.root
+        if manifest is None:
+            # By digest: the client checks the manifest's bytes against it.
+            manifest = client.manifest(pinned.repository, pinned.digest)
+        if pinned.transport == "docker" or is_image_manifest(manifest.body):
+            # An OCI image: converted once, cached under its manifest digest.
+            converted = layout.cache_converted(root, pinned.digest)
+            try:
+                oci_to_sif(
+                    pinned,
+                    pinned.digest,
+                    converted,
+                    layout.cache_convert_work(root, pinned.digest),
+                    credential=client.credential,
+                    ca_bundle=self.cfg.ca_bundle,
+                )
+                self.cache.publish(converted, pinned, job=job, source=host, blob=None)
+            finally:
+                discard(converted)
+            return
+        tmp = layout.cache_partial(root, pinned.digest)
+        layer = sif_layer(manifest)
+        self._download(client, pinned, layer, tmp, progress)
+        try:
+            self.cache.publish(tmp, pinned, job=job, source=host, blob=layer.digest)
+        except CacheError:
+            discard(tmp)  # a full disk gets its space back
+            raise
+
+    def _download(
+        self,
+        client: RegistryClient,
+        ref: Reference,
+        layer: SifLayer,
+        tmp: Path,
+        progress: Progress | None,
+    ) -> None:
+        """Fill ``tmp`` with the verified blob ``layer`` (resuming what an
+        interrupted pull left there)."""
+        try:
+            try:
+                self._fetch(client, ref, layer, tmp, self.cfg.pull_connections, progress)
+            except RangeUnsupported:
+                # This registry streams whole blobs only: one stream, from what came.
+                self._fetch(client, ref, layer, tmp, 1, progress)
+        except RegistryUnreachable:
+            raise  # keep the partial file: the next pull resumes it
+        except OSError as e:
+            discard(tmp)
+            raise CacheError(f"{self.cache.root}: cannot store {ref.name}: {e.strerror}") from None
+        except (VerificationError, RegistryError, CacheError):
+            discard(tmp)
+            raise
+
+    def _fetch(
+        self,
+        client: RegistryClient,
+        ref: Reference,
+        layer: SifLayer,
+        tmp: Path,
+        connections: int,
+        progress: Progress | None,
+    ) -> None:
+        """Fill ``tmp`` with the blob ``layer`` and check it (size, sha256, SIF
+        magic), fsynced.
+
+        A partial file an interrupted pull left (a crash, a kill -9, a dropped
+        connection) is a prefix of the blob (download.py): it is hashed, and the rest
+        asked for, over ``connections`` connections.
+        """
+        import hashlib  # a cache hit, the launch path, never hashes
+
+        from tfimage.agent.cache import download
+
+        digest, size = layer.digest, layer.size
+        h = hashlib.sha256()
+        head = bytearray()
+        got = 0
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "r+b") as out:
+            if not stat.S_ISREG(os.fstat(out.fileno()).st_mode):
+                raise CacheError(f"{tmp}: not a regular file")
+            kept = os.fstat(out.fileno()).st_size
+            kept = 0 if kept > size else kept - kept % download.ALIGN  # O_DIRECT goes on aligned
+            out.truncate(kept)
+
+            def consume(block: memoryview) -> None:
+                nonlocal got
+                if len(head) < 64:
+                    head.extend(block[: 64 - len(head)])
+                h.update(block)
+                got += len(block)
+                if progress:
+                    progress(got, size)
+
+            while got < kept and (block := out.read(min(CHUNK, kept - got))):
+                consume(memoryview(block))
+            clients = [client] + [self._client_factory(client.host) for _ in range(connections - 1)]
+            download.Download(
+                clients,
+                ref.repository,
+                digest,
+                size,
+                tmp,
+                got,
+                self.cfg.pull_stripe_bytes,
+            ).run(consume)
+            if got != size:
+                raise RegistryUnreachable(f"{ref.name}: got {got} of {size} bytes")
+            if "sha256:" + h.hexdigest() != digest:
+                raise VerificationError(f"{ref.name}: sha256 of the download does not match")
+            if not has_magic(bytes(head)):
+                raise VerificationError(f"{ref.name}: the download is not a SIF file")
+            os.fsync(out.fileno())

@@ -1,0 +1,1 @@
+"""The hooks' shared code: the never-drain rule and their log (log.py)."""
