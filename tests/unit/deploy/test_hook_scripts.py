@@ -1,0 +1,95 @@
+"""The role's Prolog and Epilog scripts send each hook exactly the wire's flags
+(``wire.HOOK_FLAGS``), in its order, each from the Slurm variables the table names:
+the scripts are rendered from the role's templates and run by ``sh`` against a
+stand-in ``tfimage-hook`` that prints what it was given, and what they send is what
+the hook would read by itself, run directly as Slurm's Prolog or Epilog."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tfimage.agent.core import wire
+from tfimage.agent.hooks.args import hook_parser
+
+ROLE = Path(__file__).resolve().parents[3] / "deploy/ansible/roles/tfimage"
+TEMPLATE = {"tfimage-prolog": "prolog.j2", "tfimage-epilog": "epilog.j2"}
+
+
+def _script(tmp_path: Path, prog: str) -> Path:
+    jinja2 = pytest.importorskip("jinja2", reason="jinja2 comes with ansible-core (make lint)")
+    defaults = yaml.safe_load((ROLE / "defaults/main.yml").read_text())
+    from ansible.module_utils.parsing.convert_bool import boolean
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(ROLE / "templates"))
+    env.filters["bool"] = boolean  # Ansible's own, as the role renders them
+    text = env.get_template(TEMPLATE[prog]).render(
+        {
+            **defaults,
+            "ansible_managed": "Ansible managed",
+            "tfimage_daemon": True,
+            "tfimage_plugin_dir": str(tmp_path),
+            "tfimage_prefix": "/opt/tfimage",
+            "tfimage_config_dir": "/etc/tfimage",
+            "tfimage_state_dir": "/run/tfimage",
+        }
+    )
+    hook = tmp_path / "tfimage-hook"
+    hook.write_text('#!/bin/sh\nfor a; do printf "%s\\0" "$a"; done\n')
+    hook.chmod(0o755)
+    script = tmp_path / TEMPLATE[prog].removesuffix(".j2")
+    script.write_text(text)
+    return script
+
+
+def _sent(script: Path, environ: dict[str, str]) -> list[str]:
+    out = subprocess.run(
+        ["sh", str(script)],
+        env={"PATH": os.environ["PATH"], **environ},
+        capture_output=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    argv = out.decode().split("\0")[:-1]
+    # tfimage-hook SOCKET DEADLINE PROGRAM ARGS...
+    assert Path(argv[2]).name in wire.HOOKS, argv
+    return argv[3:]
+
+
+@pytest.mark.parametrize("prog", wire.HOOKS)
+def test_the_roles_script_sends_the_wires_flags_in_order(tmp_path: Path, prog: str) -> None:
+    args = _sent(_script(tmp_path, prog), {wire.PROLOG_IMAGE_VAR: "tiny:1.0"})
+    names = [a.partition("=")[0] for a in args]
+    assert names == ["--config", *(f.name for f in wire.HOOK_FLAGS[prog])], args
+    assert all("=" in a for a in args), args  # a job's value never becomes a flag
+
+
+@pytest.mark.parametrize("prog", wire.HOOKS)
+def test_each_flag_comes_from_every_variable_the_wire_names_for_it(
+    tmp_path: Path, prog: str
+) -> None:
+    """One variable at a time (the last of each fallback chain too: the epilog's
+    ``--gpus`` once lacked ``CUDA_VISIBLE_DEVICES``), and what the script sends is
+    what the hook would read from the same environment by itself."""
+    script = _script(tmp_path, prog)
+    for flag in wire.HOOK_FLAGS[prog]:
+        for var in flag.env:
+            environ = {wire.PROLOG_IMAGE_VAR: "tiny:1.0", var: f"-value-of-{var}"}
+            sent = vars(hook_parser(prog, None, {}).parse_args(_sent(script, environ)))
+            direct = vars(hook_parser(prog, None, environ).parse_args([]))
+            assert sent[flag.dest] == f"-value-of-{var}", (flag, var)
+            assert {k: v for k, v in sent.items() if k != "config"} == {
+                k: v for k, v in direct.items() if k != "config"
+            }, (flag, var)
+
+
+def test_a_hook_run_directly_takes_the_first_variable_that_is_set() -> None:
+    gpus = next(f for f in wire.HOOK_FLAGS["tfimage-epilog"] if f.name == "--gpus")
+    assert wire.hook_default(gpus, {"CUDA_VISIBLE_DEVICES": "0,1"}) == "0,1"
+    assert wire.hook_default(gpus, {"SLURM_JOB_GPUS": "2", "CUDA_VISIBLE_DEVICES": "0"}) == "2"
+    assert wire.hook_default(gpus, {"SLURM_JOB_GPUS": "", "CUDA_VISIBLE_DEVICES": "3"}) == "3"
+    assert wire.hook_default(gpus, {}) == ""
