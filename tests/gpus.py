@@ -88,7 +88,7 @@ class FakeNvml:
 
 def healthy_node(name: str, n: int = 4) -> dict[str, Any]:
     """A local cluster node's GPUs (deploy/local/cluster.sh): UUIDs of its own, and
-    minor numbers equal to the indices, as gres.conf's File=.../nvidia[0-3] says."""
+    minor numbers equal to the indices, as gres.conf's File=/dev/nvidia[0-3] says."""
     tag = int.from_bytes(name.encode()[-4:].rjust(4, b"\0"), "big")
     return node(
         n,

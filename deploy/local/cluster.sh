@@ -3,7 +3,8 @@
 #
 #   cluster.sh up     munge, a TLS registry standing in for Harbor, slurmctld, and
 #                     slurmd n1 and n2, each in its own network, UTS and mount
-#                     namespace; tfimage installed and wired in; images pushed.
+#                     namespace (and its own /dev, with four fake GPUs in it);
+#                     tfimage installed and wired in; images pushed.
 #   cluster.sh down   stops all of it: no process, mount, namespace or link left.
 #   cluster.sh status
 #   cluster.sh daemon N  start node N's (or `login`: this host's) tfimage daemon
@@ -338,7 +339,8 @@ TaskPlugin=task/cgroup
 JobAcctGatherType=jobacct_gather/none
 MpiDefault=none
 MpiParams=ports=20000-20999
-# Four GPUs per node (write_gpus: device files and a fake NVML; no real GPU here).
+# Four GPUs per node (node_dev and write_gpus: /dev/nvidia0..3 in each node's own
+# /dev and a fake NVML; no real GPU here).
 GresTypes=gpu,shard,mps
 SchedulerType=sched/backfill
 SelectType=select/cons_tres
@@ -374,21 +376,25 @@ node_gres() {
 }
 
 # GPUs without hardware, what tests/cluster/test_gpus.py runs on:
-#   $STATE/gpu/dev/nvidia0..3   character devices (major 195) for gres.conf's File=:
-#                               a job's device cgroup (ConstrainDevices) opens its
-#                               own alone, and the fake NVML lists only those
+#   /dev/nvidia0..3, nvidiactl  where a real node has them, in each node's own /dev
+#                               alone (node_dev, not this host's): character devices
+#                               (major 195, no driver behind) for gres.conf's
+#                               File=/dev/nvidia[0-3]. A job's device cgroup
+#                               (ConstrainDevices) opens its own GPUs' alone, ch-run
+#                               binds the node's /dev into the container, and the
+#                               fake NVML lists only the GPUs it may open
 #   $STATE/gpu/lib/             the fake libnvidia-ml.so.1 (tests/fakenvml), found by
 #                               the node daemons and slurmd through LD_LIBRARY_PATH
 #   $STATE/gpu/state-nN.json    each node's NVML state (the fake reads its hostname's)
 #   $STATE/gpu/kmsg             the kernel log the GPU gate reads for XIDs (config)
 write_gpus() {
-    local g=$STATE/gpu src=$REPO/tests/fakenvml/fakenvml.c n i
+    local g=$STATE/gpu src=$REPO/tests/fakenvml/fakenvml.c n
     rm -rf "$g"
-    mkdir -p "$g/dev" "$g/lib"
-    chmod 0755 "$g" "$g/dev" "$g/lib"
-    for i in 0 1 2 3; do mknod -m 0666 "$g/dev/nvidia$i" c 195 "$i"; done
+    mkdir -p "$g/lib"
+    chmod 0755 "$g" "$g/lib"
     : >"$g/kmsg"
-    local cc=(gcc -shared -fPIC -O2 -Wall -DFAKE_NVML_DIR="\"$g\"" -DFAKE_NVML_DEV_DIR="\"$g/dev\"")
+    # The fake looks for the device files in /dev, as NVML does.
+    local cc=(gcc -shared -fPIC -O2 -Wall -DFAKE_NVML_DIR="\"$g\"")
     if [ -n "$ROOT" ]; then  # built by the tree that loads it (its glibc)
         cp "$src" "$ROOT/usr/src/fakenvml.c"
         chroot "$ROOT" "${cc[@]}" -o /usr/src/libnvidia-ml.so.1 /usr/src/fakenvml.c
@@ -404,13 +410,46 @@ print(json.dumps(healthy_node(sys.argv[2])))' "$REPO/tests" "$n" >"$g/state-$n.j
     done
     : >"$ETC/gres.conf"
     for n in "${NODES[@]}"; do
-        echo "NodeName=$n Name=gpu File=$g/dev/nvidia[0-3]" >>"$ETC/gres.conf"
+        echo "NodeName=$n Name=gpu File=/dev/nvidia[0-3]" >>"$ETC/gres.conf"
         case "$(node_gres "$n")" in
             *shard:8) echo "NodeName=$n Name=shard Count=8" >>"$ETC/gres.conf" ;;
-            *mps:400) echo "NodeName=$n Name=mps Count=400 File=$g/dev/nvidia[0-3]" >>"$ETC/gres.conf" ;;
+            *mps:400) echo "NodeName=$n Name=mps Count=400 File=/dev/nvidia[0-3]" >>"$ETC/gres.conf" ;;
         esac
     done
     chmod 0644 "$ETC/gres.conf"
+}
+
+# Each node's own /dev, made in its mount namespace before slurmd starts, so that its
+# GPUs' device files lie where a real node's do and this host's /dev never gets them:
+# a small tmpfs (nosuid, as a node's devtmpfs is) holding
+#   - what this host's /dev holds: cp -a copies each device node as a node (same
+#     numbers, mode and owner), and its mounts (pts, shm) are bound in, as they are;
+#   - loop0..255 (block, major 7) for the kernel's squashfs mounts: the kernel adds
+#     loop devices to the host's devtmpfs when it needs them, after the copy, and
+#     opening a node of one it has not made yet makes it;
+#   - the fake GPUs (write_gpus): nvidia0..3 (major 195, the minor their index, as
+#     gres.conf's File= and the NVML states say) and nvidiactl (minor 255), 0666 as
+#     NVIDIA's driver makes them.  No driver is behind them: an open the job's device
+#     cgroup allows fails with ENXIO, one it refuses with EPERM.
+# Staged on STAGE (an empty directory) and moved onto DEV, the tree's /dev; for the
+# other flavor the rbind of its tree carries it into the root slurmd pivots into.
+node_dev() { # STAGE DEV: the shell lines that make it
+    printf 'stage=%s dev=%s\n' "$1" "$2"
+    cat <<'SH'
+mount -t tmpfs -o nosuid,mode=0755,size=64k tfimage-dev "$stage"
+cp -a -x "$dev/." "$stage/"
+for m in $(findmnt -l -n -o TARGET -R "$dev" | sort -u); do
+    case ${m#"$dev"/} in "$m" | */*) ;; *) mount --rbind "$m" "$stage/${m#"$dev"/}" ;; esac
+done
+i=0
+while [ "$i" -lt 256 ]; do
+    [ -e "$stage/loop$i" ] || mknod -m 0600 "$stage/loop$i" b 7 "$i"
+    i=$((i + 1))
+done
+for i in 0 1 2 3; do mknod -m 0666 "$stage/nvidia$i" c 195 "$i"; done
+mknod -m 0666 "$stage/nvidiactl" c 195 255
+mount --move "$stage" "$dev"
+SH
 }
 
 # The role's inventory and variables: this machine, Slurm's config under $ETC.
@@ -455,9 +494,9 @@ tfimage_registry_credentials:
 tfimage_runtime: charliecloud
 tfimage_cache_dir: /var/cache/tfimage
 tfimage_state_dir: /run/tfimage
-# The seed's default mount, with the site's data at $STATE/data standing in for /data,
-# and the fake GPUs' device files, where a real node has them in /dev (ch-run binds it)
-tfimage_default_binds: ["$STATE/data:/mnt", "$STATE/gpu/dev:/gpudev"]
+# The seed's default mount, with the site's data at $STATE/data standing in for /data
+# (the fake GPUs' device files need none: they are in the node's /dev, which ch-run binds)
+tfimage_default_binds: ["$STATE/data:/mnt"]
 tfimage_bind_prefixes: [/home, /data, "$STATE/data"]
 tfimage_maintenance: cron
 # Each node's usage log is its own /var/log/tfimage (start_slurm binds it), and so is
@@ -540,12 +579,16 @@ start_slurm() {
         local nd=$STATE/nodes/$n
         # node_exporter's textfile directory: this cluster's metrics alone
         rm -rf "$nd/metrics"
-        mkdir -p "$STATE/spool/$n" "$nd/cache" "$nd/run" "$nd/log" "$nd/metrics"
-        # Own network, hostname and mounts: cache and /run state really are per node.
+        mkdir -p "$STATE/spool/$n" "$nd/cache" "$nd/run" "$nd/log" "$nd/metrics" "$nd/dev"
+        # Own network, hostname and mounts: cache, /run state and /dev (with the
+        # node's GPUs: node_dev) really are per node.
         : >"$LOGS/slurmd-$n.log"
         # In the foreground under setsid: nsenter, unshare and sh all exec, so $! is
         # slurmd itself, known at once whatever the Slurm version does with pid files.
-        local script="hostname $n
+        # A step that fails stops it there: no slurmd on a half-made node.
+        local script="set -e
+hostname $n
+$(node_dev "$nd/dev" "$ROOT/dev")
 mount --bind $nd/cache $ROOT/var/cache/tfimage
 mount -t tmpfs -o mode=0755 tmpfs $ROOT/run/tfimage
 mount --bind $nd/log $ROOT/var/log/tfimage
@@ -572,7 +615,10 @@ exec slurmd -D -N $n"
             alive "$RUN/slurmd-$n.pid" || break
             sleep 0.1
         done
-        alive "$RUN/slurmd-$n.pid" || { tail -5 "$LOGS/slurmd-$n.log" >&2; die "slurmd $n did not start"; }
+        alive "$RUN/slurmd-$n.pid" || {
+            tail -5 "$LOGS/slurmd-$n.out" "$LOGS/slurmd-$n.log" >&2
+            die "slurmd $n did not start"
+        }
         local ns
         ns=$(readlink "/proc/$(cat "$RUN/slurmd-$n.pid")/ns/mnt")
         [ "$ns" != "$(readlink /proc/self/ns/mnt)" ] || die "slurmd $n is not in a mount namespace of its own"

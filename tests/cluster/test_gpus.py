@@ -1,11 +1,13 @@
-"""GPUs on the real cluster: four per node in gres.conf (device files and a fake
-libnvidia-ml.so.1 under the real nvidia-ml-py, deploy/local/cluster.sh write_gpus),
-each node with its own NVML state.  The prolog's gate, the drain with a tfimage:
-reason, the job's requeue to a healthy node, and `tfimage gpu resume`."""
+"""GPUs on the real cluster: four per node in gres.conf (/dev/nvidia0..3 in each
+node's own /dev and a fake libnvidia-ml.so.1 under the real nvidia-ml-py,
+deploy/local/cluster.sh node_dev and write_gpus), each node with its own NVML state.
+The prolog's gate, the drain with a tfimage: reason, the job's requeue to a healthy
+node, and `tfimage gpu resume`."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -71,8 +73,8 @@ def test_nvml_inside_the_container_sees_exactly_the_jobs_gpus_through_the_bound_
     """The host's driver (the fake NVML, gpu.driver_libs) is bound into a charliecloud
     GPU step; a program in the image (tf-custom's glibc) loads it and reads the GPUs.
     Slurm's ConstrainDevices lets the job's cgroup open only its own two device files
-    (bound at /gpudev, where a real node's /dev has them), so NVML lists exactly
-    those, numbered from 0, as the real library does."""
+    (the node's /dev/nvidiaN, which ch-run binds), so NVML lists exactly those,
+    numbered from 0, as the real library does."""
     cluster = gpu_nodes
     prog = workdir / "nvmlcount"
     src = Path(__file__).parents[1] / "fakenvml" / "nvmlcount.c"
@@ -80,9 +82,7 @@ def test_nvml_inside_the_container_sees_exactly_the_jobs_gpus_through_the_bound_
     state = workdir / "nvml-state.json"
     state.write_text(json.dumps(healthy_node("n2")))
     state.chmod(0o644)
-    show = (
-        f"FAKE_NVML_STATE={state} FAKE_NVML_DEV_DIR=/gpudev {prog}; echo gpus=$CUDA_VISIBLE_DEVICES"
-    )
+    show = f"FAKE_NVML_STATE={state} {prog}; echo gpus=$CUDA_VISIBLE_DEVICES"
     argv = ["srun", "-N1", "-w", "n2", "--tf-image=tf-custom:2.0", "sh", "-c", show]
     r = cluster.run([*argv[:4], "--gres=gpu:2", *argv[4:]], cwd=workdir, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -93,6 +93,66 @@ def test_nvml_inside_the_container_sees_exactly_the_jobs_gpus_through_the_bound_
     assert r.stdout.split() == ["count=3", *uuids[:3], "gpus=0,1,2"], r.stdout
     r = cluster.run(argv, cwd=workdir, timeout=600)
     assert "no driver:" in r.stdout and r.stdout.split()[-1] == "gpus=", r.stdout
+
+
+# Each of the container's /dev/nvidia* files, opened for reading and writing as CUDA
+# does: "refused" when the job's device cgroup denies it (EPERM), else "allowed" (no
+# driver is behind the fake GPUs' files: an open that gets past the cgroup ends in
+# ENXIO).  Then the job's GPU indices as Slurm gave them, and the image's marker.
+_OPEN_EACH = (
+    "for f in /dev/nvidia*; do"
+    ' if err=$( (: <>"$f") 2>&1); then echo "$f allowed";'
+    ' else case $err in *"not permitted"*) echo "$f refused";; *) echo "$f allowed $err";; esac;'
+    " fi;"
+    " done;"
+    " echo ids=${SLURM_STEP_GPUS:-${SLURM_JOB_GPUS:-none}} gpus=$CUDA_VISIBLE_DEVICES;"
+    " cat /etc/tfimage-test-image"
+)
+
+
+def test_a_gpu_tasks_container_lists_the_nodes_gpu_files_and_opens_only_its_own(
+    gpu_nodes: Cluster, workdir: Path
+) -> None:
+    """What a real node gives a `--gres=gpu:2` task: its container has the node's
+    /dev/nvidia0..3 and /dev/nvidiactl (ch-run binds the node's /dev, where
+    gres.conf's File= names them), and the job's cgroup device controller
+    (ConstrainDevices) lets it open its own two GPUs' files and nvidiactl alone.
+    Another job holds GPUs 0 and 1, so its own are 2 and 3, numbered 0,1 for CUDA."""
+    cluster = gpu_nodes
+    sub = cluster.run(
+        ["sbatch", "--parsable", "-w", "n2", "--gres=gpu:2", "--wrap", "sleep 300"], cwd=workdir
+    )
+    assert sub.returncode == 0, sub.stderr
+    other = sub.stdout.strip().split(";")[0]
+
+    def squeue(*opts: str) -> str:
+        return cluster.run(["squeue", "-h", "-j", other, *opts], as_root=True).stdout.strip()
+
+    try:
+        _wait("the other job to run", lambda: squeue("-o", "%T") == "RUNNING")
+        r = cluster.run(
+            ["srun", "-N1", "-w", "n2", "--gres=gpu:2", "--tf-image=tiny:1.0", "sh", "-c",
+             _OPEN_EACH],
+            cwd=workdir,
+        )  # fmt: skip
+    finally:
+        cluster.run(["scancel", other], as_root=True)
+        _wait("the other job to end", lambda: not squeue())
+    assert r.returncode == 0, r.stderr
+    *files, ids, marker = r.stdout.splitlines()
+    assert marker == "tiny:1.0", r.stdout  # in the image
+    assert ids == "ids=2,3 gpus=0,1", r.stdout  # Slurm's indices, and CUDA's numbering
+    verdicts = dict(line.split()[:2] for line in files)
+    assert verdicts == {
+        "/dev/nvidia0": "refused",
+        "/dev/nvidia1": "refused",
+        "/dev/nvidia2": "allowed",  # minor = index (gres.conf's File=)
+        "/dev/nvidia3": "allowed",
+        "/dev/nvidiactl": "allowed",
+    }, files
+    # The node's own /dev (cluster.sh node_dev), not this host's, which never gets them.
+    r = cluster.on_node("n2", ["stat", "-c", "%d", "/dev"])
+    assert r.returncode == 0 and r.stdout.split() != [str(os.stat("/dev").st_dev)], r
 
 
 def test_a_gpu_fault_drains_its_node_the_job_runs_elsewhere_and_resume_waits_for_a_pass(
