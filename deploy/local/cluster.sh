@@ -2,7 +2,8 @@
 # A whole Slurm cluster on one machine, for the demo and the cluster tests.
 #
 #   cluster.sh up     munge, a TLS registry standing in for Harbor, slurmctld, and
-#                     slurmd n1 and n2, each in its own network, UTS and mount
+#                     slurmd n1..nN (TFIMAGE_NODES=N, 2 by default, up to 32),
+#                     each in its own network, UTS and mount
 #                     namespace (and its own /dev, with four fake GPUs in it);
 #                     tfimage installed and wired in; images pushed.
 #   cluster.sh down   stops all of it: no process, mount, namespace or link left.
@@ -28,7 +29,11 @@ PREFIX=${TFIMAGE_PREFIX:-/opt/tfimage}
 BRIDGE=tfbr0
 NET=10.203.0
 CTL_ADDR=$NET.1
-NODES=(n1 n2)
+NODE_COUNT=${TFIMAGE_NODES:-2}
+# The registry's egress to the nodes, shaped (TFIMAGE_REGISTRY_RATE=200mbit: tc's
+# rate syntax) so that, as at a real site, the registry's link is what a cold pull
+# waits for and not this machine's memory bandwidth; empty: unshaped.
+REGISTRY_RATE=${TFIMAGE_REGISTRY_RATE:-}
 REG_PORT=5443
 REGISTRY=$CTL_ADDR:$REG_PORT
 TEST_USER=${TFIMAGE_TEST_USER:-tfuser}
@@ -43,6 +48,16 @@ in_root() { if [ -n "$ROOT" ]; then chroot "$ROOT" "$@"; else "$@"; fi; }
 
 log() { printf 'cluster: %s\n' "$*" >&2; }
 die() { printf 'cluster: error: %s\n' "$*" >&2; exit 1; }
+
+case "$NODE_COUNT" in
+    "" | *[!0-9]* | 0*) die "TFIMAGE_NODES must be a number of nodes from 2 to 32, not '$NODE_COUNT'" ;;
+esac
+[ "$NODE_COUNT" -ge 2 ] && [ "$NODE_COUNT" -le 32 ] \
+    || die "TFIMAGE_NODES must be a number of nodes from 2 to 32, not '$NODE_COUNT'"
+[ -z "$REGISTRY_RATE" ] || [[ $REGISTRY_RATE =~ ^[1-9][0-9]{0,5}[kmg]?bit$ ]] \
+    || die "TFIMAGE_REGISTRY_RATE must be a rate like 200mbit, not '$REGISTRY_RATE'"
+NODES=()
+for ((i = 1; i <= NODE_COUNT; i++)); do NODES+=("n$i"); done
 
 node_addr() { # n1 -> .11
     echo "$NET.$((10 + ${1#n}))"
@@ -102,8 +117,16 @@ stop_pid() { # PIDFILE: TERM, then KILL after 5 s; by PID, never by name
     rm -f "$f"
 }
 
+# The nodes the running cluster was brought up with (an `up` of another size first
+# takes down all of those), else this run's.
+up_nodes() {
+    if [ -s "$RUN/nodes" ]; then cat "$RUN/nodes"; else printf '%s\n' "${NODES[@]}"; fi
+}
+
 down() {
-    for n in "${NODES[@]}"; do
+    local was
+    mapfile -t was < <(up_nodes)
+    for n in "${was[@]}"; do
         stop_pid "$RUN/slurmd-$n.pid"
         kill_ns_procs "$n"
     done
@@ -123,7 +146,7 @@ down() {
         done
         rm -f "$RUN/chroot.root"
     fi
-    for n in "${NODES[@]}"; do
+    for n in "${was[@]}"; do
         kill_netns_procs "$n"
         ip netns del "$n" 2>/dev/null || true
         # The host end goes with the namespace, but asynchronously; the next
@@ -131,9 +154,9 @@ down() {
         for _ in $(seq 50); do ip link show "veth-$n" >/dev/null 2>&1 || break; sleep 0.1; done
         ip link del "veth-$n" 2>/dev/null || true
     done
-    ip link del "$BRIDGE" 2>/dev/null || true
+    ip link del "$BRIDGE" 2>/dev/null || true  # and its qdisc (shape_registry)
     hosts_entries remove
-    rm -f "$ENV_FILE"
+    rm -f "$ENV_FILE" "$RUN/nodes"
     log "down"
 }
 
@@ -173,7 +196,21 @@ setup_network() {
         net ip -n "$n" link set eth0 up
         net ip -n "$n" route add default via "$CTL_ADDR"
     done
+    printf '%s\n' "${NODES[@]}" >"$RUN/nodes"
     hosts_entries add
+    shape_registry
+}
+
+# The registry's egress (what this host sends from its port into the bridge) gets
+# REGISTRY_RATE; everything else on the bridge, and node-to-node traffic (which
+# the bridge forwards port to port, never through this qdisc), stays unshaped.
+shape_registry() {
+    [ -n "$REGISTRY_RATE" ] || return 0
+    net tc qdisc add dev "$BRIDGE" root handle 1: htb default 10 r2q 1000
+    net tc class add dev "$BRIDGE" parent 1: classid 1:20 htb rate "$REGISTRY_RATE" ceil "$REGISTRY_RATE"
+    net tc filter add dev "$BRIDGE" protocol ip parent 1: prio 1 u32 \
+        match ip src "$CTL_ADDR/32" match ip sport "$REG_PORT" 0xffff flowid 1:20
+    log "registry egress shaped to $REGISTRY_RATE"
 }
 
 start_munge() {
@@ -656,6 +693,8 @@ export TFIMAGE_CA=$ETC/tfimage/ca.pem
 export PATH=$PREFIX/bin:\$PATH
 export TFIMAGE_SLURM_FLAVOR=$FLAVOR
 export TFIMAGE_CHROOT=$ROOT
+export TFIMAGE_NODE_NAMES="${NODES[*]}"
+export TFIMAGE_REGISTRY_RATE=$REGISTRY_RATE
 ENV
 }
 
@@ -689,7 +728,9 @@ up() {
 }
 
 status() {
-    for f in munged registry slurmctld daemon-login "${NODES[@]/#/slurmd-}"; do
+    local was
+    mapfile -t was < <(up_nodes)
+    for f in munged registry slurmctld daemon-login "${was[@]/#/slurmd-}"; do
         if alive "$RUN/$f.pid"; then echo "$f: running"; else echo "$f: stopped"; fi
     done
 }
