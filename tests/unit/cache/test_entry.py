@@ -1,4 +1,4 @@
-"""A cache entry's record (agent/cache/store.py): read strictly, written as before."""
+"""A cache entry's metadata (agent/cache/store.py): read strictly, written as before."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ DIGEST = "sha256:" + "a" * 64
 OTHER = "sha256:" + "b" * 64
 
 
-def test_a_record_tfimage_wrote_reads_and_writes_back_the_same() -> None:
+def test_metadata_tfimage_wrote_reads_and_writes_back_the_same() -> None:
     doc = {
         "digest": DIGEST,
         "refs": ["reg:5000/library/x:1"],
@@ -31,7 +31,7 @@ def test_a_record_tfimage_wrote_reads_and_writes_back_the_same() -> None:
     assert Entry.parse(DIGEST, converted).to_json() == converted
 
 
-def test_a_hostile_or_old_record_is_neither_trusted_nor_fatal() -> None:
+def test_hostile_or_old_metadata_is_neither_trusted_nor_fatal() -> None:
     doc = {
         "digest": OTHER,  # the file's name says which image it is, not its content
         "refs": "reg/x:1",
@@ -65,4 +65,4 @@ def test_entries_are_named_by_their_files(tmp_path: Path) -> None:
         layout.cache_sif(tmp_path, digest).write_bytes(b"x")
     (layout.cache_images(tmp_path) / "stray.json").write_text("{}")
     (layout.cache_images(tmp_path) / "stray.sif").write_bytes(b"x")
-    assert [(e.digest, e.size) for e in cache.entries()] == [(DIGEST, 1)]  # [] is no record
+    assert [(e.digest, e.size) for e in cache.entries()] == [(DIGEST, 1)]  # [] is no metadata

@@ -117,3 +117,16 @@ def test_requests_frame_and_unframe() -> None:
         with pytest.raises(RequestError):
             wire.decode_request(bad)
     assert wire.decode_answer(wire.encode_answer(-1, b"why\n", b"out")) == (-1, b"why\n", b"out")
+
+
+def test_the_plugin_reads_exactly_the_wires_plugstack_keys() -> None:
+    """args.c's ``strncmp(a, "KEY=", N)`` chain against :data:`wire.PLUGSTACK_KEYS`,
+    each length right (a wrong N would match a longer key's prefix), and the role's
+    plugstack line writes none other."""
+    code = (SPANK / "args.c").read_text()
+    found = re.findall(r'strncmp\(a, "([a-z_]+)=", (\d+)\)', code)
+    assert [k for k, _ in found] == list(wire.PLUGSTACK_KEYS)
+    assert all(int(n) == len(k) + 1 for k, n in found), found
+    template = SPANK.parent / "deploy/ansible/roles/tfimage/templates/plugstack-tfimage.conf.j2"
+    written = set(re.findall(r" ([a-z_]+)=\{\{", template.read_text()))
+    assert written and written <= set(wire.PLUGSTACK_KEYS), written

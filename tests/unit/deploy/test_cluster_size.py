@@ -17,7 +17,12 @@ SCRIPT = Path(__file__).resolve().parents[3] / "deploy" / "local" / "cluster.sh"
 def _status(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(SCRIPT), "status"],
-        env={**os.environ, "TFIMAGE_LOCAL_STATE": str(tmp_path), **env},
+        # none of a sourced build/cluster.env's TFIMAGE_* settings: only the test's
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("TFIMAGE_")},
+            "TFIMAGE_LOCAL_STATE": str(tmp_path),
+            **env,
+        },
         capture_output=True,
         text=True,
         timeout=30,
