@@ -26,7 +26,7 @@ import os
 import ssl
 import urllib.parse
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Self
 
 from tfimage.agent.core.errors import VerificationError
@@ -122,8 +122,9 @@ class _Hop:
 
     method: str
     url: str
-    headers: dict[str, str]
-    auth: tuple[str, str] | None
+    # never in a repr: they carry the Authorization header and the password
+    headers: dict[str, str] = field(repr=False)
+    auth: tuple[str, str] | None = field(repr=False)
     timeout: tuple[float, float]
     verify: str | bool
     data: Body

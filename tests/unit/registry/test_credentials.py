@@ -63,3 +63,13 @@ def test_json_syntax_is_read_without_a_yaml_parser(tmp_path: Path) -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.split() == ["robot$x+y", "False"]
+
+
+def test_a_requests_hop_never_shows_its_credentials_in_a_repr() -> None:
+    """A hop logged or shown in a traceback's locals must not carry the password."""
+    from tfimage.agent.registry.transport import _Hop
+
+    hop = _Hop("GET", "https://reg/v2/", {"Authorization": "Basic czNjcmV0"}, ("robot", "s3cret"),
+               (1.0, 2.0), True, None)  # fmt: skip
+    assert "s3cret" not in repr(hop) and "czNjcmV0" not in repr(hop)
+    assert "https://reg/v2/" in repr(hop)
