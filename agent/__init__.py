@@ -2,7 +2,8 @@
 
 The public surface is what a site script needs to read the config and check an
 image reference the way the plugin does; everything else is reached through its
-subpackage (registry/, cache/, gpu/, submit/, step/, daemon/, cli/) and may change.
+subpackage (core/, registry/, usage/, hooks/, cache/, gpu/, submit/, step/, daemon/,
+cli/) and may change.
 tests/unit/core/test_public_surface.py pins this list.
 """
 

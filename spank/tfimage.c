@@ -18,7 +18,7 @@ static struct spank_option tfi_options[] = {
 	  "(name:tag, project/name:tag, host/path:tag, @sha256:..., oras:// or docker://)",
 	  1, 0, opt_image },
 	{ "tf-mount", "SRC:DST[:ro|rw][,...]",
-	  "[tfimage] bind host directories into the image (sources limited to the site's "
+	  "[tfimage] bind host directories into the image (host paths limited to the site's "
 	  "allowed prefixes)",
 	  1, 0, opt_bind },
 	{ "tf-batch", "auto|container|host",

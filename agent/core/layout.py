@@ -1,6 +1,7 @@
-"""The node's on-disk state, file by file: the one place that names a path under
-``state_dir`` or ``cache_dir``.  Every layer asks here; nobody joins these names
-by hand, so the cache can find a job's file without importing ``step/``.
+"""The node's on-disk state, file by file: the one place that names a file or
+directory under ``state_dir`` or ``cache_dir``.  Every layer asks here, so the
+cache can find a job's file without importing ``step/``; only a lock that guards
+one file is named where it is taken, from that file's path (``.lock`` beside it).
 
 Under ``state_dir`` (root-owned, 0755; ``/run/tfimage`` by default: gone at boot)::
 

@@ -67,7 +67,7 @@ def realpaths_as(uid: int, paths: Sequence[str], timeout: float = TIMEOUT) -> li
             if left <= 0 or not select.select([r], [], [], left)[0]:
                 os.kill(pid, signal.SIGKILL)
                 raise RuntimeSetupError(
-                    f"--tf-mount: resolving the sources as uid {uid} took over {timeout:.0f} s"
+                    f"--tf-mount: resolving the host paths as uid {uid} took over {timeout:.0f} s"
                 )
             chunk = os.read(r, 65536)
             if not chunk:
@@ -75,7 +75,7 @@ def realpaths_as(uid: int, paths: Sequence[str], timeout: float = TIMEOUT) -> li
             data += chunk
             if len(data) > MAX_ANSWER:
                 os.kill(pid, signal.SIGKILL)
-                raise RuntimeSetupError("--tf-mount: the sources' answer is too large")
+                raise RuntimeSetupError("--tf-mount: the host paths' answer is too large")
     finally:
         os.close(r)
         _reap(pid)
@@ -84,11 +84,11 @@ def realpaths_as(uid: int, paths: Sequence[str], timeout: float = TIMEOUT) -> li
     except ValueError:
         answer = None
     if not isinstance(answer, list) or len(answer) != len(paths):
-        raise RuntimeSetupError(f"--tf-mount: could not resolve the sources as uid {uid}")
+        raise RuntimeSetupError(f"--tf-mount: could not resolve the host paths as uid {uid}")
     real: list[str] = []
     for p, a in zip(paths, answer, strict=True):
         if not (isinstance(a, list) and len(a) == 2 and all(isinstance(x, str) for x in a)):
-            raise RuntimeSetupError(f"--tf-mount: could not resolve the sources as uid {uid}")
+            raise RuntimeSetupError(f"--tf-mount: could not resolve the host paths as uid {uid}")
         if a[0] or not a[1]:
             raise BindError(f"--tf-mount host path {oneline(p)}: {a[0] or 'cannot be resolved'}")
         real.append(a[1])
