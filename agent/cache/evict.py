@@ -173,8 +173,8 @@ def orphans(cache: ImageCache, *, dry_run: bool = False) -> list[Path]:
     gone = []
     for path in cache.orphans():
         with cache.lock(path.stem):  # the key: the digest's lock
-            other = path.with_suffix(".json" if path.suffix == ".sif" else ".sif")
-            if other.exists() or not path.exists():
+            other = layout.cache_entry_pair(path)
+            if other is None or other.exists() or not path.exists():
                 continue  # published (or removed) since we looked
             if not dry_run:
                 path.unlink()

@@ -243,7 +243,7 @@ class ImageCache:
             return []
         out = []
         for p in sorted(images.iterdir()):
-            other = p.with_suffix(".json" if p.suffix == ".sif" else ".sif")
-            if p.suffix in (".sif", ".json") and not other.exists():
+            other = layout.cache_entry_pair(p)
+            if other is not None and not other.exists():
                 out.append(p)
         return out

@@ -167,6 +167,13 @@ def cache_entry(cache_dir: StrPath, digest: str) -> Path:
     return cache_images(cache_dir) / f"{key(digest)}.json"
 
 
+def cache_entry_pair(path: Path) -> Path | None:
+    """The other file of an entry's two in ``images/``: a ``.sif``'s metadata file,
+    a ``.json``'s image; None for any other name."""
+    other = {".sif": ".json", ".json": ".sif"}.get(path.suffix)
+    return path.with_suffix(other) if other else None
+
+
 def cache_lock(cache_dir: StrPath, name: str) -> Path:
     """``locks/<name>.lock``: a digest's (by its key) or another of the cache's."""
     return Path(cache_dir) / "locks" / f"{name.replace(':', '-')}.lock"

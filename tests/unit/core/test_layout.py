@@ -49,6 +49,13 @@ def test_each_file_keeps_the_name_nodes_already_have(got: Path, want: str) -> No
     assert got == Path(want)
 
 
+def test_an_entrys_two_files_name_each_other_and_nothing_else_pairs() -> None:
+    sif, meta = Path(f"{C}/images/sha256-{HEX}.sif"), Path(f"{C}/images/sha256-{HEX}.json")
+    assert (layout.cache_entry_pair(sif), layout.cache_entry_pair(meta)) == (meta, sif)
+    for other in (f"{C}/images/sha256-{HEX}.partial", f"{C}/images/sha256-{HEX}", f"{C}/x.lock"):
+        assert layout.cache_entry_pair(Path(other)) is None, other
+
+
 def test_a_file_names_key_gives_its_digest_and_nothing_else_is_a_key() -> None:
     assert layout.key(DIGEST) == f"sha256-{HEX}"
     for name in (f"sha256-{HEX}", f"sha256-{HEX}.sif", f"sha256-{HEX}.lock"):
