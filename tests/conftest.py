@@ -6,15 +6,13 @@
 - ``token_registry`` another, behind Harbor-style token auth: ``token_service``
   (tokenauth.py) issues the JWTs, which the registry itself verifies.
 
-The skip budget: under ``CI=true`` a run fails when a test skips that is not in
-``ALLOWED_SKIPS`` (a short list, reviewed: each entry says why CI may skip it), so
-no tier goes missing in silence.
+The skip budget (skipbudget.py) is loaded here: in strict mode (``.ci/run``) a skip
+outside its short, reviewed list fails the run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import subprocess
 import time
@@ -28,40 +26,7 @@ import requests
 from support import Registry, build_sif, need
 from tokenauth import ISSUER, SERVICE, TokenService, signing_cert
 
-# node id -> why a CI machine may skip it (anything else skipped under CI=true fails)
-ALLOWED_SKIPS = {
-    "tests/unit/step/test_runtime.py::test_apptainer_runs_a_real_sif_where_installed": (
-        "apptainer is not packaged for Debian 12 or 13"
-    ),
-    "tests/unit/cache/test_convert.py::test_apptainer_converts_a_real_image_where_installed": (
-        "apptainer is not packaged for Debian 12 or 13"
-    ),
-    "tests/unit/cli/test_doctor.py::test_no_nvml_on_a_node_with_gpu_devices_is_an_error": (
-        "a machine with libnvidia-ml cannot reach the not-found path"
-    ),
-}
-_UNBUDGETED: list[str] = []
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.skipped and report.nodeid not in ALLOWED_SKIPS:
-        _UNBUDGETED.append(report.nodeid)
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if os.environ.get("CI") == "true" and _UNBUDGETED and exitstatus == 0:
-        session.exitstatus = 1
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if os.environ.get("CI") == "true" and _UNBUDGETED:
-        terminalreporter.write_line(
-            f"tests: FAILED: {len(_UNBUDGETED)} skip(s) outside the budget "
-            "(tests/conftest.py ALLOWED_SKIPS) under CI=true:",
-            red=True,
-        )
-        for nodeid in _UNBUDGETED:
-            terminalreporter.write_line(f"  {nodeid}")
+pytest_plugins = ["skipbudget"]
 
 
 @pytest.fixture

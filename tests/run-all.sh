@@ -8,11 +8,14 @@
 # The cluster is stopped at the end unless TFIMAGE_KEEP_CLUSTER=1.
 #
 #   TFIMAGE_FLAVORS="host other"  the cluster tier's Slurm flavors (default both;
-#                                 under CI=true always both, each a different
-#                                 generation, and any skip outside the budget in
-#                                 tests/conftest.py fails the run)
+#                                 in strict mode always both, each a different
+#                                 generation)
 #   TFIMAGE_OTHER_HOST=0          skip the other host generation (says so; refused
-#                                 under CI=true, where every run proves both)
+#                                 in strict mode, where every run proves both)
+#   TFIMAGE_STRICT=1              strict mode, as .ci/run always sets it (CI=true
+#                                 too): any skip outside the budget
+#                                 (tests/skipbudget.py) fails the run, here and on
+#                                 the other host
 #
 # It brings the local cluster up and down, and one machine holds one at a time: where
 # several people share a machine, take turns, e.g.
@@ -60,6 +63,13 @@ THIS=$(. /etc/os-release && echo "$VERSION_CODENAME")
 
 mkdir -p build
 rm -f build/test-summary.txt
+# Strict mode reaches every pytest run, and the other host's run (other-host.sh).
+STRICT=0
+if [ "${TFIMAGE_STRICT:-}" = 1 ] || [ "${CI:-}" = true ]; then
+    STRICT=1
+    export TFIMAGE_STRICT=1
+    echo "tests: strict mode: skips outside tests/skipbudget.py fail, both generations must run"
+fi
 
 step "packages and venv"
 bash deploy/local/packages.sh || fail "packages"
@@ -91,10 +101,13 @@ case "${TFIMAGE_OTHER_HOST:-1}" in
         step "other host" "the other Debian generation as a host (deploy/local/other-host.sh run)"
         bash deploy/local/other-host.sh run \
             || fail "the other host generation: $(cat build/other-host/summary.txt 2>/dev/null || echo 'see above')"
-        OTHER_LINE=$(cat build/other-host/summary.txt) ;;
+        OTHER_LINE=$(cat build/other-host/summary.txt)
+        # Its run must have been strict too: env -i there keeps only what is passed.
+        [ "$STRICT" = 0 ] || grep -q '^tests: strict mode' build/other-host/run-all.log \
+            || fail "the other host's run was not in strict mode (build/other-host/run-all.log)" ;;
     0)
-        [ "${CI:-}" != true ] \
-            || fail "TFIMAGE_OTHER_HOST=0 under CI=true: every CI run proves both host generations"
+        [ "$STRICT" = 0 ] \
+            || fail "TFIMAGE_OTHER_HOST=0 in strict mode: every CI run proves both host generations"
         # shellcheck source=deploy/local/other-release.sh
         OTHER_LINE="$(debian "$(. deploy/local/other-release.sh && echo "$OTHER")") host: SKIPPED (TFIMAGE_OTHER_HOST=0)"
         echo "tests: the other host generation is SKIPPED (TFIMAGE_OTHER_HOST=0)" ;;
@@ -110,8 +123,8 @@ fi
 export TFIMAGE_REQUIRE_CLUSTER=1
 CLUSTER=() SKIPPED=() CLUSTER_ON=() VERSIONS=()
 FLAVORS=${TFIMAGE_FLAVORS:-host other}
-if [ "${CI:-}" = true ] && [ "$FLAVORS" != "host other" ]; then
-    echo "tests: CI=true: both Slurm generations run, whatever TFIMAGE_FLAVORS says ($FLAVORS)"
+if [ "$STRICT" = 1 ] && [ "${TFIMAGE_OTHER_HOST:-1}" != inside ] && [ "$FLAVORS" != "host other" ]; then
+    echo "tests: strict mode: both Slurm generations run, whatever TFIMAGE_FLAVORS says ($FLAVORS)"
     FLAVORS="host other"
 fi
 for flavor in $FLAVORS; do

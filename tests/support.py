@@ -108,13 +108,16 @@ def hook_site(tmp_path: Path, **extra: object) -> Path:
 
 
 def need(*tools: str) -> None:
-    """Skip, saying why, where ``tools`` are missing; under ``CI=true`` fail instead:
-    a CI machine installs everything (.ci/run), so a missing tool is a broken step."""
+    """Skip, saying why, where ``tools`` are missing; in strict mode (skipbudget.py)
+    fail instead: a CI machine installs everything (.ci/run), so a missing tool is a
+    broken step."""
     missing = [t for t in tools if not shutil.which(t)]
     if missing:
         why = f"needs {', '.join(missing)} (make venv and deploy/local/packages.sh install them)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{why}; CI=true: a missing tool is a failure, not a skip")
+        from skipbudget import strict  # here: conftest loads it as a plugin first
+
+        if strict():
+            pytest.fail(f"{why}; strict mode (CI): a missing tool is a failure, not a skip")
         pytest.skip(why)
 
 

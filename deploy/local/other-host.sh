@@ -37,6 +37,8 @@
 #   TFIMAGE_OTHER_HOST_TIMEOUT  seconds before the whole inner run is killed (1800;
 #                               it takes about 10 min on 2 cores)
 #   TFIMAGE_OTHER_HOST_KEEP=1   keep the run's copy of the root, to look at it after
+#   TFIMAGE_STRICT=1            strict mode inside too (run-all.sh sets it for CI): the
+#                               inner run is otherwise started with an empty environment
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 # shellcheck source=deploy/local/err-trap.sh
@@ -207,8 +209,9 @@ enter() {
     umount -l /oldroot
     rmdir /oldroot
     local pass=() v
+    # TFIMAGE_STRICT: a CI run's skip budget holds inside too (tests/skipbudget.py).
     for v in http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY PIP_DEFAULT_TIMEOUT \
-        TFIMAGE_DEBIAN_MIRROR TFIMAGE_DEBIAN_SECURITY_MIRROR; do
+        TFIMAGE_DEBIAN_MIRROR TFIMAGE_DEBIAN_SECURITY_MIRROR TFIMAGE_STRICT; do
         [ -z "${!v:-}" ] || pass+=("$v=${!v}")
     done
     exec env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
