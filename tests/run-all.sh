@@ -3,20 +3,25 @@
 # packages, a dev venv, lint and types, the plugin against both Slurm generations'
 # headers, the unit tests, the other Debian generation as a whole host (its own root
 # filesystem, where a fresh clone runs the demo and this suite: other-host.sh), then
-# the local cluster and the cluster tier on this machine's Slurm and on the other
-# generation's.  The last lines name both host generations, their Slurm and counts.
+# the local cluster and the cluster tier on this machine's Slurm.  The last lines name
+# both host generations, their Slurm and counts.
 # The cluster is stopped at the end unless TFIMAGE_KEEP_CLUSTER=1.
 #
-#   TFIMAGE_FLAVORS="host other"  the cluster tier's Slurm flavors (default both;
-#                                 in strict mode always both, each a different
-#                                 generation)
+#   TFIMAGE_FLAVORS="host other"  the cluster tier's Slurm flavors: "host" is this
+#                                 machine's Slurm, "other" the other generation's in a
+#                                 chroot (a quick try of that generation without a
+#                                 whole host).  Default "host" where the other host
+#                                 runs (it proves the other generation), "host other"
+#                                 where it is skipped; in strict mode always "host"
 #   TFIMAGE_OTHER_HOST=0          skip the other host generation (says so; refused
 #                                 in strict mode, where every run proves both)
 #   TFIMAGE_STRICT=1              strict mode, as .ci/run always sets it (CI=true
 #                                 too): any skip outside the budget
 #                                 (tests/skipbudget.py) fails the run, here and on
-#                                 the other host
+#                                 the other host, and so does a missing generation
 #
+# Each step's time is printed as it ends, and at the end the slowest ten tests of
+# each pytest tier.
 # It brings the local cluster up and down, and one machine holds one at a time: where
 # several people share a machine, take turns, e.g.
 #   flock /var/lock/tfimage-cluster.lock bash tests/run-all.sh
@@ -43,11 +48,16 @@ fail() {
     echo "tests: FAILED: $*" >&2
     exit 1
 }
-fmt() { if [ "$1" -ge 60 ]; then echo "$(($1 / 60)) min $(($1 % 60)) s"; else echo "$1 s"; fi; }
+# fmt, debian, host_summary: the summary's words, shared with the README's test.
+# shellcheck source=tests/summary.sh
+. tests/summary.sh
 
+SLOWEST=()
 pytest_tier() { # NAME LOG PATH: pytest, its output kept; exit 5 (nothing collected) fails
     local name=$1 log=$2 rc=0
-    .venv/bin/pytest -q -p no:cacheprovider "$3" 2>&1 | tee "$log" || rc=${PIPESTATUS[0]}
+    .venv/bin/pytest -q -p no:cacheprovider --durations=10 "$3" 2>&1 | tee "$log" \
+        || rc=${PIPESTATUS[0]}
+    SLOWEST+=("$name" "$log")
     [ "$rc" -eq 5 ] && fail "pytest collected no $name tests"
     [ "$rc" -eq 0 ] || fail "$name tests: pytest exit $rc (log: $log)"
     return 0
@@ -56,8 +66,10 @@ count() { # WHAT LOG: how many tests pytest's last line says were WHAT (passed, 
     grep -E '[0-9]+ (passed|failed|skipped)' "$2" | tail -1 | grep -oE "[0-9]+ $1" \
         | cut -d' ' -f1 | grep . || echo 0
 }
-debian() { # CODENAME: "Debian 12 (bookworm)"
-    case $1 in bookworm) echo "Debian 12 ($1)" ;; trixie) echo "Debian 13 ($1)" ;; *) echo "$1" ;; esac
+slowest() { # NAME LOG: the slowest tests pytest's --durations section lists
+    echo "tests: slowest $1 tests:"
+    sed -n '/slowest 10 durations/,/^$/p' "$2" | grep -E '^[0-9.]+s +(setup|call|teardown) ' \
+        | sed 's/^/  /'
 }
 THIS=$(. /etc/os-release && echo "$VERSION_CODENAME")
 
@@ -88,20 +100,24 @@ make -s spank-other || fail "plugin build (other Slurm)"
 
 step "unit" "pytest: unit tier"
 pytest_tier unit build/pytest-unit.log tests/unit
-UNIT="$(count passed build/pytest-unit.log) unit"
-[ "$(count skipped build/pytest-unit.log)" = 0 ] || UNIT+=" ($(count skipped build/pytest-unit.log) skipped)"
+UNIT_PASSED=$(count passed build/pytest-unit.log) UNIT_SKIPPED=$(count skipped build/pytest-unit.log)
 
 # The other Debian generation as a whole host: its own root, a fresh clone, the demo
 # and this suite there.  Before this machine's cluster tier: its cluster and the
 # other host's share names in one network namespace, and the one kept up at the end
 # (TFIMAGE_KEEP_CLUSTER=1) is this machine's.
-OTHER_LINE=""
+OTHER_LINE="" OTHER_RAN=0
 case "${TFIMAGE_OTHER_HOST:-1}" in
     1)
         step "other host" "the other Debian generation as a host (deploy/local/other-host.sh run)"
         bash deploy/local/other-host.sh run \
             || fail "the other host generation: $(cat build/other-host/summary.txt 2>/dev/null || echo 'see above')"
         OTHER_LINE=$(cat build/other-host/summary.txt)
+        OTHER_RAN=1
+        other_slurm=$(sed -n 's/^slurm=//p' build/other-host/result)
+        [ -n "$other_slurm" ] || fail "the other host did not say which Slurm it ran"
+        [ "${other_slurm%.*}" != "${HOST_SLURM%.*}" ] \
+            || fail "the other host ran Slurm $other_slurm, the generation of this host's ($HOST_SLURM)"
         # Its run must have been strict too: env -i there keeps only what is passed.
         [ "$STRICT" = 0 ] || grep -q '^tests: strict mode' build/other-host/run-all.log \
             || fail "the other host's run was not in strict mode (build/other-host/run-all.log)" ;;
@@ -118,14 +134,15 @@ esac
 if [ "${TFIMAGE_KEEP_CLUSTER:-0}" != 1 ]; then
     trap 'printf "\n=== stopping the local cluster\n"; bash deploy/local/cluster.sh down' EXIT
 fi
-# The cluster tier on this machine's Slurm, and on the other Debian generation's
-# (22.05 <-> 24.11) from a cached chroot, so both plugin paths run.
+# The cluster tier on this machine's Slurm; on the other generation's from a cached
+# chroot (22.05 <-> 24.11) only where the other host did not prove that generation.
 export TFIMAGE_REQUIRE_CLUSTER=1
-CLUSTER=() SKIPPED=() CLUSTER_ON=() VERSIONS=()
-FLAVORS=${TFIMAGE_FLAVORS:-host other}
-if [ "$STRICT" = 1 ] && [ "${TFIMAGE_OTHER_HOST:-1}" != inside ] && [ "$FLAVORS" != "host other" ]; then
-    echo "tests: strict mode: both Slurm generations run, whatever TFIMAGE_FLAVORS says ($FLAVORS)"
-    FLAVORS="host other"
+TIERS=() VERSIONS=()
+if [ "$OTHER_RAN" = 1 ]; then DEFAULT_FLAVORS="host"; else DEFAULT_FLAVORS="host other"; fi
+FLAVORS=${TFIMAGE_FLAVORS:-$DEFAULT_FLAVORS}
+if [ "$STRICT" = 1 ] && [ "$OTHER_RAN" = 1 ] && [ "$FLAVORS" != host ]; then
+    echo "tests: strict mode: the other host ran Slurm $other_slurm; the cluster tier runs on this host's alone, whatever TFIMAGE_FLAVORS says ($FLAVORS)"
+    FLAVORS=host
 fi
 for flavor in $FLAVORS; do
     step "cluster $flavor" "local cluster: SLURM_FLAVOR=$flavor"
@@ -140,22 +157,17 @@ for flavor in $FLAVORS; do
     VERSIONS+=("$version")
     printf '\n=== %s\n' "pytest: cluster tier on Slurm $version ($flavor)"
     pytest_tier "cluster ($flavor, Slurm $version)" "build/pytest-cluster-$flavor.log" tests/cluster
-    CLUSTER+=("$(count passed "build/pytest-cluster-$flavor.log")")
-    SKIPPED+=("$(count skipped "build/pytest-cluster-$flavor.log")")
-    if [ "$flavor" = other ]; then CLUSTER_ON+=("$version in a chroot"); else CLUSTER_ON+=("$version"); fi
+    on=$version
+    [ "$flavor" != other ] || on+=" in a chroot"
+    TIERS+=("$(count passed "build/pytest-cluster-$flavor.log")" \
+        "$(count skipped "build/pytest-cluster-$flavor.log")" "$on")
     echo "tests: cluster tier on Slurm $version passed"
 done
 step ""
 
-line="$(debian "$THIS") host: Slurm $HOST_SLURM: $UNIT"
-if [ ${#CLUSTER[@]} -gt 0 ]; then
-    line+=", $(IFS=+; echo "${CLUSTER[*]}") cluster"
-    [ -z "$(echo "${SKIPPED[@]}" | tr -d '0 ')" ] || line+=" ($(IFS=+; echo "${SKIPPED[*]}") skipped)"
-    line+=" passed"
-    [ ${#CLUSTER[@]} -eq 1 ] || line+=" (Slurm $(IFS=+; echo "${CLUSTER_ON[*]}" | sed 's/+/ + /g'))"
-else
-    line+=" passed"
-fi
+echo
+for ((i = 0; i < ${#SLOWEST[@]}; i += 2)); do slowest "${SLOWEST[i]}" "${SLOWEST[i + 1]}"; done
+line=$(host_summary "$THIS" "$HOST_SLURM" "$UNIT_PASSED" "$UNIT_SKIPPED" "${TIERS[@]}")
 echo "$line" >build/test-summary.txt
 echo
 echo "tests: times: $(IFS=,; echo "${TIMES[*]}" | sed 's/,/, /g'); $(fmt $((SECONDS - T_ALL))) in all"

@@ -40,7 +40,7 @@
 #   TFIMAGE_STRICT=1            strict mode inside too (run-all.sh sets it for CI): the
 #                               inner run is otherwise started with an empty environment
 set -euo pipefail
-REPO=$(cd "$(dirname "$0")/../.." && pwd)
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 # shellcheck source=deploy/local/err-trap.sh
 . "$REPO/deploy/local/err-trap.sh" other-host
 # shellcheck source=deploy/local/other-release.sh
@@ -349,6 +349,8 @@ clean() {
     log "removed the cached other-host roots and download caches"
 }
 
+# Sourced (tests/unit/deploy/test_readme_sample.py renders report's line): functions only.
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0
 case "${1:-}" in
     run) run ;;
     root) [ "$(id -u)" = 0 ] || die "run as root"; build_root; echo "$ROOT" ;;
