@@ -10,7 +10,7 @@
 #                         (SLURM_FLAVOR=host).  Its last line is the summary, also in
 #                         build/other-host/summary.txt; logs in build/other-host/.
 #   other-host.sh root    print the cached root's path, building it if needed
-#   other-host.sh clean   remove the cached roots and the shared download caches
+#   other-host.sh clean   remove the cached roots and the caches shared across runs
 #
 # The other host's cluster has the same bridge, veth and address names as this
 # machine's, in the same network namespace: this machine's cluster is stopped first.
@@ -20,8 +20,11 @@
 # The root is debootstrap --variant=minbase with git, python3, python3-venv, make, gcc
 # and ca-certificates, and the sources a Debian install has (main, updates,
 # security); it is cached under /var/cache/tfimage-build, keyed by that list, and
-# copied for each run, so every run starts from the same fresh machine.  Only
-# downloads are shared with earlier runs: apt's .deb archive and pip's cache.
+# copied for each run, so every run starts from the same fresh machine.  Shared with
+# earlier runs are downloads (apt's .deb archive and pip's cache) and that host's own
+# image build cache (its /var/cache/tfimage-build, keyed by recipe as on any machine),
+# as a CI machine of that generation keeps them: a warm run does not build its
+# TensorFlow image again, and with this machine's cache emptied, it does.
 #
 # Nothing is left behind: the PID namespace takes every process with it when the run
 # ends, however it ends (unshare --kill-child), its mounts go with its mount
@@ -53,6 +56,7 @@ RUNROOT=$CACHE/other-host-run
 HARNESS=/usr/local/lib/tfimage-other-host
 DEBS=$CACHE/other-host-debs-$OTHER
 PIPCACHE=$CACHE/other-host-pip
+BUILDCACHE=$CACHE/other-host-build-$OTHER
 OUT=$REPO/build/other-host
 STEPS=${TFIMAGE_OTHER_HOST_STEPS:-demo tests}
 FLAVORS=${TFIMAGE_OTHER_HOST_FLAVORS:-host}
@@ -177,7 +181,8 @@ prepare() { # a fresh machine: the cached root copied, a fresh clone of HEAD in 
     # This machine's CA bundle, so pip there reaches the index as pip here does.
     mkdir -p "$RUNROOT/usr/local/share/tfimage"
     cp "${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}" "$RUNROOT/usr/local/share/tfimage/host-ca.pem"
-    mkdir -p "$DEBS/partial" "$PIPCACHE" "$RUNROOT/root/.cache/pip" "$RUNROOT/var/cache/apt/archives"
+    mkdir -p "$DEBS/partial" "$PIPCACHE" "$BUILDCACHE" "$RUNROOT/root/.cache/pip" \
+        "$RUNROOT/var/cache/apt/archives" "$RUNROOT/var/cache/tfimage-build"
     # This script, for its part inside (the harness, not what is tested: that is the clone).
     mkdir -p "$RUNROOT$HARNESS/deploy/local"
     cp "$REPO/deploy/local/other-host.sh" "$REPO/deploy/local/err-trap.sh" \
@@ -202,6 +207,7 @@ enter() {
     fi
     mount --bind "$DEBS" "$new/var/cache/apt/archives"
     mount --bind "$PIPCACHE" "$new/root/.cache/pip"
+    mount --bind "$BUILDCACHE" "$new/var/cache/tfimage-build"
     cd "$new"
     mkdir -p oldroot
     pivot_root . oldroot
@@ -345,8 +351,9 @@ fmt() { # SECONDS -> "N min S s"
 
 clean() {
     remove_run_root
-    rm -rf "$CACHE"/host-bookworm-* "$CACHE"/host-trixie-* "$CACHE"/other-host-debs-* "$PIPCACHE"
-    log "removed the cached other-host roots and download caches"
+    rm -rf "$CACHE"/host-bookworm-* "$CACHE"/host-trixie-* "$CACHE"/other-host-debs-* "$PIPCACHE" \
+        "$CACHE"/other-host-build-*
+    log "removed the cached other-host roots and the caches shared across runs"
 }
 
 # Sourced (tests/unit/deploy/test_readme_sample.py renders report's line): functions only.
