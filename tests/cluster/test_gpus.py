@@ -182,16 +182,22 @@ def test_a_gpu_fault_drains_its_node_the_job_runs_elsewhere_and_resume_waits_for
     assert any(f"job {job}: drained n1" in line for line in cluster.hooks_log("n1"))
 
     # The job was requeued, not lost: it runs once the site returns n2 to service.
+    def show() -> str:
+        return cluster.run(["scontrol", "-o", "show", "job", job], as_root=True).stdout
+
+    _wait("the job to be requeued", lambda: "Restarts=1" in show() and "JobState=PENDING" in show())
     cluster.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], as_root=True)
-    # Slurm holds a requeued job back about 120 s (its BeginTime), then backfill
-    # (every 30 s) starts it.
+    # Slurm holds a requeued job back about 120 s (its BeginTime, Slurm's own, not
+    # tfimage's), then backfill starts it: release it now, as an admin would, so that
+    # the test waits for where it runs and not for that timer (127 s -> seconds).
+    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], as_root=True)
     _wait("the job to run on n2", lambda: (workdir / "where.txt").exists(), timeout=300)
     _wait(
         "the job to end",
         lambda: not cluster.run(["squeue", "-h", "-j", job], as_root=True).stdout.strip(),
     )
     assert (workdir / "where.txt").read_text().split() == ["n2"]
-    shown = cluster.run(["scontrol", "-o", "show", "job", job], as_root=True).stdout
+    shown = show()
     assert "JobState=COMPLETED" in shown and "Restarts=1" in shown, shown
 
     # Still faulty: resume refuses, and n1 stays out.
