@@ -5,6 +5,14 @@ file, named by its title annotation.  This module owns both directions: what a
 pulled manifest must look like (:func:`sif_layer`, strictly; the shape Singularity
 < 3.7 pushed, with its misspelt layer type, too) and what a pushed one looks like
 (:func:`sif_manifest`, for ``RegistryClient.push_sif``).
+
+The manifest's own media type is taken as Apptainer's pull takes it
+(``internal/pkg/client/oras/pull.go`` checks the layer's type, not the
+manifest's): OCI v1, which SingularityCE >= 4.4 and Apptainer >= 1.4 push;
+Docker's schema 2, which SingularityCE 4.0-4.3 and Apptainer 1.3.0 pushed
+(``internal/pkg/client/oras/image.go``); or none in the body.  What makes the
+cache safe (one layer, its digest and size, then the SIF magic) is checked the
+same for each.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from typing import Any, Protocol
 
 from tfimage.agent.core.errors import VerificationError
 from tfimage.agent.core.ids import valid_digest
-from tfimage.agent.registry.mediatypes import OCI_MANIFEST
+from tfimage.agent.registry.mediatypes import DOCKER_MANIFEST, OCI_MANIFEST
 
 SIF_CONFIG = "application/vnd.sylabs.sif.config.v1+json"
 SIF_LAYER = "application/vnd.sylabs.sif.layer.v1.sif"
@@ -27,6 +35,8 @@ TITLE = "org.opencontainers.image.title"
 SIF_CONFIG_BLOB = b"{}"
 
 MAX_SIF = 1 << 40
+# The manifest types a SIF artifact arrives in ("": a body that names none).
+SIF_MANIFEST_TYPES = (OCI_MANIFEST, DOCKER_MANIFEST, "")
 
 
 class FetchedManifest(Protocol):
@@ -49,7 +59,7 @@ class SifLayer:
 
 def sif_layer(m: FetchedManifest) -> SifLayer:
     """The manifest's one SIF layer, or a :class:`VerificationError` naming what is off."""
-    if m.media_type not in (OCI_MANIFEST, ""):
+    if m.media_type not in SIF_MANIFEST_TYPES:
         raise VerificationError(f"not a SIF artifact (manifest type {m.media_type!r})")
     config = m.body.get("config")
     if not isinstance(config, dict) or config.get("mediaType") != SIF_CONFIG:
