@@ -144,6 +144,10 @@ class Puller:
         for the download that follows."""
         client = self._client_factory(host)
         manifest = client.manifest(ref.repository, ref.version)
+        if ref.transport != "docker":  # an index: its entry for this platform
+            from tfimage.agent.registry.platforms import platform_manifest
+
+            manifest = platform_manifest(client, ref.repository, manifest)
         into.append((client, manifest))
         return manifest.digest
 

@@ -43,7 +43,12 @@ def _first_answer(
     for host in cfg.sources(ref):
         client = client_factory(host)
         try:
-            return client.manifest(ref.repository, ref.version).digest
+            m = client.manifest(ref.repository, ref.version)
+            if ref.transport != "docker":  # an index: its entry for this platform
+                from tfimage.agent.registry.platforms import platform_manifest
+
+                m = platform_manifest(client, ref.repository, m)
+            return m.digest
         except ImageNotFound:
             raise suggest.not_found(client, ref) from None
         except RegistryUnreachable as e:

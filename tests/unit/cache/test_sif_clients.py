@@ -21,7 +21,9 @@ from tfimage.agent.core.errors import VerificationError
 from tfimage.agent.registry.artifact import SIF_CONFIG, SIF_LAYER, TITLE
 from tfimage.agent.registry.client import RegistryClient
 from tfimage.agent.registry.credentials import Credential
-from tfimage.agent.registry.mediatypes import DOCKER_MANIFEST, OCI_MANIFEST
+from tfimage.agent.registry.mediatypes import DOCKER_LIST, DOCKER_MANIFEST, OCI_INDEX, OCI_MANIFEST
+from tfimage.agent.registry.platforms import this_platform
+from tfimage.agent.submit.pin import pin
 
 
 def _client(reg: Registry) -> RegistryClient:
@@ -103,3 +105,80 @@ def test_a_docker_schema2_sif_is_checked_as_strictly_as_an_oci_one(
     with pytest.raises(VerificationError, match="exactly one layer, this one has 2"):
         Puller(ImageCache(cfg)).ensure(cfg.reference("strict:2"))
     assert not [p for p in layout.cache_images(cfg.cache_dir).iterdir() if p.suffix == ".sif"]
+
+
+def _push_sif(up: RegistryClient, repo: str, sif: Path, tag: str) -> tuple[str, int]:
+    """A SIF as an OCI v1 artifact under ``tag``: its manifest's digest and size."""
+    layer, size = up.push_blob(repo, sif)
+    config = up.push_bytes(repo, b"{}")
+    raw = _manifest(OCI_MANIFEST, config, layer, size)
+    return up.push_manifest(repo, tag, raw, OCI_MANIFEST), len(raw)
+
+
+def _index(media_type: str, entries: list[tuple[str, int, str]]) -> bytes:
+    return json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": media_type,
+            "manifests": [
+                {
+                    "mediaType": OCI_MANIFEST,
+                    "digest": digest,
+                    "size": size,
+                    "platform": {"os": "linux", "architecture": arch},
+                }
+                for digest, size, arch in entries
+            ],
+        }
+    ).encode()
+
+
+@pytest.mark.parametrize("index_type", [OCI_INDEX, DOCKER_LIST], ids=["oci-index", "docker-list"])
+def test_an_index_of_sifs_pins_this_platforms_manifest_and_runs_its_bytes(
+    registry: Registry,
+    make_sif: Callable[[dict[str, str]], Path],
+    tmp_path: Path,
+    index_type: str,
+) -> None:
+    up = _client(registry)
+    here = this_platform().split("/")[1]
+    other = "s390x" if here != "s390x" else "arm64"
+    ours = make_sif({"etc/tfimage-test-image": f"built for {here}\n"})
+    theirs = make_sif({"etc/tfimage-test-image": f"built for {other}\n"})
+    d_theirs, n_theirs = _push_sif(up, "library/multi", theirs, "theirs")
+    d_ours, n_ours = _push_sif(up, "library/multi", ours, "ours")
+    # Theirs first: the entry is chosen by platform, not by position.
+    entries = [(d_theirs, n_theirs, other), (d_ours, n_ours, here)]
+    index = up.push_manifest("library/multi", "2.0", _index(index_type, entries), index_type)
+    cfg = load_config(registry.write_site(tmp_path))
+
+    pinned, warning = pin(cfg, cfg.reference("multi:2.0"), lambda _h: up, tmp_path / "seen")
+    assert warning is None
+    assert pinned.digest == d_ours != index
+    got = Puller(ImageCache(cfg)).ensure(pinned)
+    assert got.path.read_bytes() == ours.read_bytes()
+    # A node asked for the tag itself resolves it the same way.
+    (tmp_path / "node").mkdir()
+    fresh = load_config(registry.write_site(tmp_path / "node"))
+    by_tag = Puller(ImageCache(fresh)).ensure(fresh.reference("multi:2.0"))
+    assert by_tag.ref.digest == d_ours and by_tag.path.read_bytes() == ours.read_bytes()
+    # The index's own digest names no one image: refused with what to name instead.
+    with pytest.raises(VerificationError, match="an image index, not one image"):
+        Puller(ImageCache(fresh)).ensure(fresh.reference(f"multi@{index}"))
+
+
+def test_an_index_without_this_platform_is_refused_at_submit_naming_what_it_has(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    up = _client(registry)
+    here = this_platform()
+    d, n = _push_sif(up, "library/foreign", make_sif({"f": "arm\n"}), "arm")
+    d2, n2 = _push_sif(up, "library/foreign", make_sif({"f": "ppc\n"}), "ppc")
+    arches = ["arm64", "ppc64le"] if here != "linux/arm64" else ["s390x", "ppc64le"]
+    entries = [(d, n, arches[0]), (d2, n2, arches[1])]
+    up.push_manifest("library/foreign", "1", _index(OCI_INDEX, entries), OCI_INDEX)
+    cfg = load_config(registry.write_site(tmp_path))
+    with pytest.raises(VerificationError) as e:
+        pin(cfg, cfg.reference("foreign:1"), lambda _h: up, tmp_path / "seen")
+    want = f"no image for {here} in its index (it has linux/{min(arches)}, linux/{max(arches)})"
+    assert want in str(e.value) and "\n" not in str(e.value)
