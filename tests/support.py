@@ -29,9 +29,10 @@ from tfimage.agent.registry.transport import Transport
 T = TypeVar("T")
 
 
-def build_sif(root: Path, sif: Path) -> Path:
-    """A real SIF of the directory tree ``root``, made the way the converter makes one."""
-    for argv in build_commands(root, sif.with_suffix(".sqfs"), sif):
+def build_sif(root: Path, sif: Path, comp: str = "lz4") -> Path:
+    """A real SIF of the directory tree ``root``, made the way the converter makes one
+    (with mksquashfs's compressor ``comp``)."""
+    for argv in build_commands(root, sif.with_suffix(".sqfs"), sif, comp):
         subprocess.run(argv, check=True, capture_output=True, timeout=120)
     return sif
 

@@ -75,14 +75,15 @@ def root_partition(f: BinaryIO, file_size: int) -> Partition:
     raise VerificationError("SIF has no squashfs system partition")
 
 
-def build_commands(rootfs: Path, sqfs: Path, sif: Path) -> list[list[str]]:
+def build_commands(rootfs: Path, sqfs: Path, sif: Path, comp: str = "lz4") -> list[list[str]]:
     """How a root filesystem becomes a SIF with Debian's tools: a squashfs owned by
     root, without extended attributes (no file capabilities from an image), then a
-    SIF holding it as the primary system partition (what runtimes mount)."""
+    SIF holding it as the primary system partition (what runtimes mount).  ``comp``:
+    mksquashfs's compressor (lz4 for conversion: fast to write and to read)."""
     return [
         [
             *("mksquashfs", str(rootfs), str(sqfs), "-all-root", "-no-xattrs", "-noappend"),
-            *("-quiet", "-comp", "lz4"),
+            *("-quiet", "-comp", comp),
         ],
         ["siftool", "new", str(sif)],
         [

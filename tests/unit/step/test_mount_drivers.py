@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from support import Registry
+from support import Registry, build_sif
 from tfimage.agent.cache.pull import Puller
 from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.core.config import config_from_mapping, load_config
@@ -56,6 +56,36 @@ def test_each_driver_mounts_the_image_nosuid_nodev_and_leaves_with_the_job(
         assert imagemount.release_job(str(state), "61") == []
         assert imagemount.release_images(str(state), lambda digest: False) == []
     assert not imagemount.mounted(img) and _loops_of(sif) == ""  # the loop device went too
+
+
+# What builders write: gzip (mksquashfs's and Apptainer's default), xz, lz4 (ours),
+# zstd (Apptainer >= 1.4 with --mksquashfs-args), lzo.
+COMPRESSIONS = ["gzip", "xz", "lz4", "zstd", "lzo"]
+# squashfs's compression ids (squashfs_fs.h): what the superblock says it was built with
+COMPRESSIONS_ID = {"gzip": 1, "lzo": 3, "xz": 4, "lz4": 5, "zstd": 6}
+
+
+@pytest.mark.parametrize("comp", COMPRESSIONS)
+@pytest.mark.parametrize("driver", sorted(FSTYPE))
+def test_each_driver_reads_every_compression_a_builder_writes(
+    root_with_fuse: None, tmp_path: Path, driver: str, comp: str
+) -> None:
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "marker").write_text(f"{comp} via {driver}\n")
+    sif = build_sif(root, tmp_path / "img.sif", comp)
+    with open(sif, "rb") as f:  # the squashfs superblock's compressor id, in the SIF
+        data = f.read()
+    at = data.index(b"hsqs")
+    assert int.from_bytes(data[at + 20 : at + 22], "little") == COMPRESSIONS_ID[comp]
+    state = tmp_path / "state"
+    img = imagemount.mount_image(str(state), "63", sif, "sha256:" + "c" * 64, (driver,))
+    try:
+        assert _mount_of(img)[0] == FSTYPE[driver]
+        assert (img / "etc/marker").read_text() == f"{comp} via {driver}\n"
+    finally:
+        assert imagemount.release_job(str(state), "63") == []
+        assert imagemount.release_images(str(state), lambda digest: False) == []
 
 
 def test_a_node_without_loop_devices_falls_back_to_fuse_and_says_so(
