@@ -10,25 +10,22 @@ converter, which picks the platform itself.
 
 from __future__ import annotations
 
-import platform
 from typing import TYPE_CHECKING
 
 from tfimage.agent.core.errors import VerificationError
 from tfimage.agent.core.ids import valid_digest
+from tfimage.agent.core.sif import machine_arch
 from tfimage.agent.registry.mediatypes import DOCKER_LIST, OCI_INDEX
 
 if TYPE_CHECKING:
     from tfimage.agent.registry.client import Manifest, RegistryClient
 
 INDEX_TYPES = (OCI_INDEX, DOCKER_LIST)
-# Go's names, which the image spec's platform object uses, for what uname says.
-_GOARCH = {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64le", "s390x": "s390x"}
 
 
 def this_platform() -> str:
     """``os/architecture`` of this machine in the image spec's words: ``linux/amd64``."""
-    machine = platform.machine()
-    return f"linux/{_GOARCH.get(machine, machine)}"
+    return f"linux/{machine_arch()}"
 
 
 def is_index(m: Manifest) -> bool:

@@ -18,7 +18,7 @@ mkdir -p "$OUT" "$CACHE"
 log() { printf 'images: %s\n' "$*" >&2; }
 
 # Bump when a recipe below changes what ends up in an image.
-RECIPE_VERSION=1
+RECIPE_VERSION=2
 
 key_of() { # cache key: the recipe version plus the inputs named on the command line
     printf '%s\n' "$RECIPE_VERSION" "$@" | sha256sum | cut -c1-16
@@ -48,7 +48,8 @@ make_sif() { # ROOTFS SIF COMP
     tmp=$(mktemp -d "$CACHE/sif.XXXXXX")
     mksquashfs "$r" "$tmp/root.sqfs" -all-root -comp "$3" -quiet -noappend >/dev/null
     siftool new "$tmp/img.sif"
-    siftool add --datatype 4 --parttype 1 --partfs 1 --partarch 2 "$tmp/img.sif" "$tmp/root.sqfs"
+    # parttype 2: the primary system partition, as `apptainer build` writes it.
+    siftool add --datatype 4 --parttype 2 --partfs 1 --partarch 2 "$tmp/img.sif" "$tmp/root.sqfs"
     mv "$tmp/img.sif" "$sif"
     rm -rf "$tmp"
 }
