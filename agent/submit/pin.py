@@ -21,13 +21,14 @@ from tfimage.agent.core.errors import (
     ImageReferenceError,
     RegistryError,
     RegistryUnreachable,
+    VerificationError,
 )
 from tfimage.agent.core.reference import Reference
 from tfimage.agent.submit import suggest
 from tfimage.agent.submit.lastseen import LastSeen
 
 if TYPE_CHECKING:
-    from tfimage.agent.registry.client import RegistryClient
+    from tfimage.agent.registry.client import Manifest, RegistryClient
 
 
 def last_seen_file() -> Path:
@@ -48,6 +49,7 @@ def _first_answer(
                 from tfimage.agent.registry.platforms import platform_manifest
 
                 m = platform_manifest(client, ref.repository, m)
+                _refuse_unfit_sif(client, ref, m)
             return m.digest
         except ImageNotFound:
             raise suggest.not_found(client, ref) from None
@@ -55,6 +57,31 @@ def _first_answer(
             last = e
     assert last is not None
     raise last
+
+
+def _refuse_unfit_sif(client: RegistryClient, ref: Reference, m: Manifest) -> None:
+    """A SIF artifact this machine cannot run (core/sif.py's ``Layout.unfit``) is
+    refused at submit with one line, from the blob's first bytes; a registry that
+    does not answer for them leaves the check to the node, as before."""
+    from tfimage.agent.core.sif import machine_arch
+    from tfimage.agent.registry.artifact import SIF_CONFIG, sif_layer
+    from tfimage.agent.registry.sifhead import unfit
+
+    config = m.body.get("config")
+    if not isinstance(config, dict) or config.get("mediaType") != SIF_CONFIG:
+        return  # an OCI image: converted on the node
+    try:
+        layer = sif_layer(m)
+    except VerificationError as e:
+        raise VerificationError(f"{ref.unpinned}: {e}") from None
+    try:
+        why = unfit(client, ref.repository, layer, machine_arch())
+    except RegistryError as e:
+        if isinstance(e, ImageNotFound):
+            raise VerificationError(f"{ref.unpinned}: its SIF layer is missing") from None
+        return
+    if why:
+        raise VerificationError(f"{ref.unpinned} is {why}")
 
 
 def pin(

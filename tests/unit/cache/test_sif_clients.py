@@ -7,8 +7,11 @@ strict for each."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,11 +21,13 @@ from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.core import layout
 from tfimage.agent.core.config import load_config
 from tfimage.agent.core.errors import VerificationError
+from tfimage.agent.core.sif import machine_arch
 from tfimage.agent.registry.artifact import SIF_CONFIG, SIF_LAYER, TITLE
 from tfimage.agent.registry.client import RegistryClient
 from tfimage.agent.registry.credentials import Credential
 from tfimage.agent.registry.mediatypes import DOCKER_LIST, DOCKER_MANIFEST, OCI_INDEX, OCI_MANIFEST
 from tfimage.agent.registry.platforms import this_platform
+from tfimage.agent.registry.transport import Response, StdlibTransport
 from tfimage.agent.submit.pin import pin
 
 
@@ -182,3 +187,73 @@ def test_an_index_without_this_platform_is_refused_at_submit_naming_what_it_has(
         pin(cfg, cfg.reference("foreign:1"), lambda _h: up, tmp_path / "seen")
     want = f"no image for {here} in its index (it has linux/{min(arches)}, linux/{max(arches)})"
     assert want in str(e.value) and "\n" not in str(e.value)
+
+
+class RecordingTransport(StdlibTransport):
+    """The real transport, noting each blob request's Range header."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blob_ranges: list[str] = []
+
+    def request(self, method: str, url: str, **kw: Any) -> Response:
+        if "/blobs/" in url and method == "GET":
+            self.blob_ranges.append(kw["headers"].get("Range", "whole"))
+        return super().request(method, url, **kw)
+
+
+def _siftool_sif(tmp_path: Path, name: str, *, parttype: int, arch: int, pad: int = 0) -> Path:
+    """A SIF as siftool writes one: a squashfs partition of ``parttype`` and ``arch``
+    (siftool's numbers), ``pad`` bytes of incompressible data inside it."""
+    root = tmp_path / f"root-{name}"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "marker").write_text(f"{name}\n")
+    (root / "blob").write_bytes(os.urandom(pad))
+    sqfs, sif = tmp_path / f"{name}.sqfs", tmp_path / f"{name}.sif"
+    for argv in (
+        ["mksquashfs", str(root), str(sqfs), "-noappend", "-quiet", "-all-root"],
+        ["siftool", "new", str(sif)],
+        ["siftool", "add", "--datatype", "4", "--parttype", str(parttype), "--partfs", "1",
+         "--partarch", str(arch), str(sif), str(sqfs)],
+    ):  # fmt: skip
+        subprocess.run(argv, check=True, capture_output=True, timeout=60)
+    return sif
+
+
+def test_a_sif_it_cannot_run_is_refused_at_submit_from_its_first_bytes(
+    registry: Registry, tmp_path: Path
+) -> None:
+    up = _client(registry)
+    other, code = ("arm64", 4) if machine_arch() != "arm64" else ("s390x", 11)
+    here_code = {"amd64": 2, "arm64": 4}.get(machine_arch(), 2)
+    data_only = _siftool_sif(tmp_path, "data", parttype=3, arch=here_code, pad=4 << 20)
+    foreign = _siftool_sif(tmp_path, "foreign", parttype=2, arch=code)
+    fine = _siftool_sif(tmp_path, "fine", parttype=2, arch=here_code, pad=4 << 20)
+    for tag, sif in (("data", data_only), ("foreign", foreign), ("fine", fine)):
+        up.push_sif("library/kinds", tag, sif)
+    cfg = load_config(registry.write_site(tmp_path))
+    spy = RecordingTransport()
+    reader = RegistryClient(
+        registry.host,
+        Credential(registry.username, registry.password),
+        ca_bundle=str(registry.ca),
+        transport=spy,
+    )
+
+    def pin_tag(tag: str) -> str:
+        pinned, _ = pin(cfg, cfg.reference(f"kinds:{tag}"), lambda _h: reader, tmp_path / "seen")
+        return str(pinned)
+
+    with pytest.raises(VerificationError) as e:
+        pin_tag("data")
+    assert str(e.value).endswith(
+        "library/kinds:data is a SIF with no system partition (data only, as"
+        " `apptainer build --data` makes), not an image to run"
+    )
+    # The header and descriptor table only: one range of 64 KiB of a 4 MiB blob.
+    assert spy.blob_ranges == [f"bytes=0-{(64 << 10) - 1}"]
+    with pytest.raises(VerificationError, match=f"is a SIF built for {other}; this machine is"):
+        pin_tag("foreign")
+    assert "@sha256:" in pin_tag("fine")
+    # Refused ones were never remembered as seen: an outage cannot pin them either.
+    assert "kinds:data" not in (tmp_path / "seen").read_text()
