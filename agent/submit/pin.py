@@ -49,7 +49,7 @@ def _first_answer(
                 from tfimage.agent.registry.platforms import platform_manifest
 
                 m = platform_manifest(client, ref.repository, m)
-                _refuse_unfit_sif(client, ref, m)
+            _refuse_unrunnable(client, ref, m)
             return m.digest
         except ImageNotFound:
             raise suggest.not_found(client, ref) from None
@@ -59,17 +59,29 @@ def _first_answer(
     raise last
 
 
-def _refuse_unfit_sif(client: RegistryClient, ref: Reference, m: Manifest) -> None:
-    """A SIF artifact this machine cannot run (core/sif.py's ``Layout.unfit``) is
-    refused at submit with one line, from the blob's first bytes; a registry that
-    does not answer for them leaves the check to the node, as before."""
+def _refuse_unrunnable(client: RegistryClient, ref: Reference, m: Manifest) -> None:
+    """An image this machine cannot run is refused at submit with one line: OCI layers
+    of squashfs, or a SIF artifact that core/sif.py's ``Layout.unfit`` names, read
+    from the blob's first bytes (a registry that does not answer for them leaves the
+    check to the node, as before)."""
     from tfimage.agent.core.sif import machine_arch
     from tfimage.agent.registry.artifact import SIF_CONFIG, sif_layer
     from tfimage.agent.registry.sifhead import unfit
 
+    layers = m.body.get("layers")
+    listed = layers if isinstance(layers, list) else []
+    kinds = [str(x.get("mediaType", "")) for x in listed if isinstance(x, dict)]
+    if any(k.endswith(".squashfs") for k in kinds):
+        raise VerificationError(
+            f"{ref.unpinned} is an OCI image with squashfs layers (SingularityCE's push"
+            " of an OCI-SIF), which tfimage does not convert: push it with tar layers"
+            " or as a SIF"
+        )
     config = m.body.get("config")
-    if not isinstance(config, dict) or config.get("mediaType") != SIF_CONFIG:
-        return  # an OCI image: converted on the node
+    if ref.transport == "docker" or not isinstance(config, dict):
+        return  # an OCI image (or an index): converted on the node
+    if config.get("mediaType") != SIF_CONFIG:
+        return
     try:
         layer = sif_layer(m)
     except VerificationError as e:

@@ -257,3 +257,36 @@ def test_a_sif_it_cannot_run_is_refused_at_submit_from_its_first_bytes(
     assert "@sha256:" in pin_tag("fine")
     # Refused ones were never remembered as seen: an outage cannot pin them either.
     assert "kinds:data" not in (tmp_path / "seen").read_text()
+
+
+@pytest.mark.parametrize("transport", ["docker://", ""], ids=["docker", "bare"])
+def test_an_oci_image_of_squashfs_layers_is_named_at_submit(
+    registry: Registry, tmp_path: Path, transport: str
+) -> None:
+    """SingularityCE's OCI push of an OCI-SIF: an image config and squashfs layers
+    (``application/vnd.sylabs.image.layer.v1.squashfs``), which skopeo and umoci
+    cannot unpack."""
+    up = _client(registry)
+    layer = up.push_bytes("library/ocisif", b"hsqs" + os.urandom(1024))
+    config_blob = b'{"architecture":"amd64","os":"linux"}'
+    config = up.push_bytes("library/ocisif", config_blob)
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": config,
+            "size": len(config_blob),
+        },
+        "layers": [
+            {
+                "mediaType": "application/vnd.sylabs.image.layer.v1.squashfs",
+                "digest": layer,
+                "size": 1028,
+            }
+        ],
+    }
+    up.push_manifest("library/ocisif", "1", json.dumps(manifest).encode(), OCI_MANIFEST)
+    cfg = load_config(registry.write_site(tmp_path))
+    with pytest.raises(VerificationError, match="is an OCI image with squashfs layers"):
+        pin(cfg, cfg.reference(f"{transport}ocisif:1"), lambda _h: up, tmp_path / "seen")
