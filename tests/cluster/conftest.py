@@ -258,8 +258,9 @@ def write_script(d: Path, name: str, text: str, user: str) -> Path:
     return p
 
 
-def busybox_sif(d: Path, marker: str) -> Path:
-    """A real SIF with busybox and a marker, like tiny:1.0 but ours to re-tag."""
+def busybox_sif(d: Path, marker: str, comp: str = "lz4") -> Path:
+    """A real SIF with busybox and a marker, like tiny:1.0 but ours to re-tag
+    (its squashfs compressed with ``comp``)."""
     root = d / f"root-{marker}"
     (root / "bin").mkdir(parents=True)
     shutil.copy("/bin/busybox", root / "bin" / "busybox")
@@ -270,7 +271,7 @@ def busybox_sif(d: Path, marker: str) -> Path:
     (root / "etc" / "hosts").write_text("")
     (root / "etc" / "resolv.conf").write_text("")
     (root / "etc" / "tfimage-test-image").write_text(marker + "\n")
-    return build_sif(root, d / f"{marker}.sif")
+    return build_sif(root, d / f"{marker}.sif", comp)
 
 
 def push(cluster: Cluster, sif: Path, ref: str) -> str:
