@@ -143,11 +143,9 @@ class Puller:
         """The tag's digest from ``host``; the client and manifest go ``into`` the list,
         for the download that follows."""
         client = self._client_factory(host)
-        manifest = client.manifest(ref.repository, ref.version)
-        if ref.transport != "docker":  # an index: its entry for this platform
-            from tfimage.agent.registry.platforms import platform_manifest
+        from tfimage.agent.registry.platforms import tag_manifest
 
-            manifest = platform_manifest(client, ref.repository, manifest)
+        manifest = tag_manifest(client, ref)
         into.append((client, manifest))
         return manifest.digest
 

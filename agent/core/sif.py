@@ -35,7 +35,6 @@ MAX_DESCRIPTORS = 4096
 
 # Data object types (sylabs/sif pkg/sif: DataDeffile = 0x4001, then in order).
 DATA_PARTITION = 0x4004
-DATA_CRYPTO_MESSAGE = 0x4008
 DATA_OCI_ROOT_INDEX = 0x400A
 DATA_OCI_BLOB = 0x400B
 # A partition's filesystem and type.
@@ -68,9 +67,9 @@ _EXTRA_AT = _NAME_AT + 128
 class Partition:
     offset: int
     size: int
-    fstype: int = FS_SQUASH
-    parttype: int = PART_PRIMSYS
-    arch: str = "amd64"
+    fstype: int
+    parttype: int
+    arch: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +171,7 @@ def root_partition(f: BinaryIO, file_size: int) -> Partition:
     f.seek(0)
     head = f.read(HEADER_SIZE)
     end = table_end(head)
-    if end > file_size:
+    if end > file_size:  # before the read: a header may name any offset
         raise VerificationError("SIF descriptor table runs past the end of the file")
     f.seek(0)
     found = layout(f.read(end), file_size)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from tfimage.agent.core.errors import VerificationError
 from tfimage.agent.core.ids import valid_digest
-from tfimage.agent.registry.mediatypes import DOCKER_LIST, DOCKER_MANIFEST, OCI_INDEX, OCI_MANIFEST
+from tfimage.agent.registry.mediatypes import DOCKER_MANIFEST, INDEX_TYPES, OCI_MANIFEST
 
 SIF_CONFIG = "application/vnd.sylabs.sif.config.v1+json"
 SIF_LAYER = "application/vnd.sylabs.sif.layer.v1.sif"
@@ -59,7 +59,7 @@ class SifLayer:
 
 def sif_layer(m: FetchedManifest) -> SifLayer:
     """The manifest's one SIF layer, or a :class:`VerificationError` naming what is off."""
-    if m.media_type in (OCI_INDEX, DOCKER_LIST):
+    if m.media_type in INDEX_TYPES:
         raise VerificationError(
             "an image index, not one image: name its tag (resolved to this platform's"
             " manifest) or the digest of one platform's manifest"

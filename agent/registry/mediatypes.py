@@ -12,3 +12,5 @@ OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+# A manifest that lists one manifest per platform.
+INDEX_TYPES = (OCI_INDEX, DOCKER_LIST)

@@ -15,12 +15,11 @@ from typing import TYPE_CHECKING
 from tfimage.agent.core.errors import VerificationError
 from tfimage.agent.core.ids import valid_digest
 from tfimage.agent.core.sif import machine_arch
-from tfimage.agent.registry.mediatypes import DOCKER_LIST, OCI_INDEX
+from tfimage.agent.registry.mediatypes import INDEX_TYPES
 
 if TYPE_CHECKING:
+    from tfimage.agent.core.reference import Reference
     from tfimage.agent.registry.client import Manifest, RegistryClient
-
-INDEX_TYPES = (OCI_INDEX, DOCKER_LIST)
 
 
 def this_platform() -> str:
@@ -65,3 +64,11 @@ def platform_manifest(
     if is_index(chosen):
         raise VerificationError(f"{repository}: an index inside an index is not an image")
     return chosen
+
+
+def tag_manifest(client: RegistryClient, ref: Reference) -> Manifest:
+    """The manifest ``ref``'s tag names now; for a SIF reference (not ``docker://``)
+    an index's entry for this platform.  What the pin and a node's own tag lookup
+    both take the digest of."""
+    m = client.manifest(ref.repository, ref.version)
+    return m if ref.transport == "docker" else platform_manifest(client, ref.repository, m)

@@ -44,11 +44,9 @@ def _first_answer(
     for host in cfg.sources(ref):
         client = client_factory(host)
         try:
-            m = client.manifest(ref.repository, ref.version)
-            if ref.transport != "docker":  # an index: its entry for this platform
-                from tfimage.agent.registry.platforms import platform_manifest
+            from tfimage.agent.registry.platforms import tag_manifest
 
-                m = platform_manifest(client, ref.repository, m)
+            m = tag_manifest(client, ref)
             _refuse_unrunnable(client, ref, m)
             return m.digest
         except ImageNotFound:
