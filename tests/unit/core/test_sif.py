@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 from collections.abc import Callable
@@ -145,3 +146,23 @@ def test_a_head_too_short_for_its_descriptor_table_is_refused(tmp_path: Path) ->
     data = sif.read_bytes()
     with pytest.raises(VerificationError, match="cut short"):
         layout(data[: table_end(data) - 1], len(data))
+
+
+def test_a_header_naming_a_far_descriptor_table_is_refused_before_any_read(
+    make_sif: Callable[[dict[str, str]], Path],
+) -> None:
+    """A hostile image's header may put its table anywhere: an offset of 2**60 is
+    refused from the header alone (the mount runs as root; nothing that size is read)."""
+    data = bytearray(make_sif({"a": "b"}).read_bytes())
+    data[64 + 32 : 64 + 40] = (1 << 60).to_bytes(8, "little")  # descoff
+    assert table_end(bytes(data)) > 1 << 60
+    reads: list[int] = []
+
+    class Watched(io.BytesIO):
+        def read(self, n: int | None = -1) -> bytes:
+            reads.append(-1 if n is None else n)
+            return super().read(n)
+
+    with pytest.raises(VerificationError, match="runs past the end of the file"):
+        root_partition(Watched(bytes(data)), len(data))
+    assert reads == [128]  # the header only
