@@ -8,11 +8,18 @@ pulled manifest must look like (:func:`sif_layer`, strictly; the shape Singulari
 
 The manifest's own media type is taken as Apptainer's pull takes it
 (``internal/pkg/client/oras/pull.go`` checks the layer's type, not the
-manifest's): OCI v1, which SingularityCE >= 4.4 and Apptainer >= 1.4 push;
+manifest's): OCI v1, which SingularityCE >= 4.4 and Apptainer >= 1.3.1 push;
 Docker's schema 2, which SingularityCE 4.0-4.3 and Apptainer 1.3.0 pushed
 (``internal/pkg/client/oras/image.go``); or none in the body.  What makes the
 cache safe (one layer, its digest and size, then the SIF magic) is checked the
 same for each.
+
+So is the config's media type: Apptainer's pull does not check it ("prior
+versions of Apptainer have not been consistent in setting this"), and the
+clients a site has used pushed three -- Apptainer's own (:data:`SIF_CONFIG`),
+ORAS's default (:data:`UNKNOWN_CONFIG`, from SingularityCE 3.9-3.11 and Apptainer
+1.0-1.2, which let oras-go write the manifest) and, in principle, any other.  A
+SIF artifact is known by its one layer's type.
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ SIF_LAYER = "application/vnd.sylabs.sif.layer.v1.sif"
 # What Singularity < 3.7 pushed (typo and all; hpcng/singularity#4437).  Apptainer
 # still pulls it, so do we; we push only SIF_LAYER.
 SIF_LAYER_PROTO = "appliciation/vnd.sylabs.sif.layer.tar"
+SIF_LAYER_TYPES = (SIF_LAYER, SIF_LAYER_PROTO)
+# oras-go's config type when its caller names none (pkg/artifact/consts.go).
+UNKNOWN_CONFIG = "application/vnd.unknown.config.v1+json"
 TITLE = "org.opencontainers.image.title"
 # A SIF's config blob, as pushed: nothing to configure, so an empty JSON object.
 SIF_CONFIG_BLOB = b"{}"
@@ -66,15 +76,14 @@ def sif_layer(m: FetchedManifest) -> SifLayer:
         )
     if m.media_type not in SIF_MANIFEST_TYPES:
         raise VerificationError(f"not a SIF artifact (manifest type {m.media_type!r})")
-    config = m.body.get("config")
-    if not isinstance(config, dict) or config.get("mediaType") != SIF_CONFIG:
-        raise VerificationError("not a SIF artifact (config media type is not Apptainer's)")
+    if not isinstance(m.body.get("config"), dict):
+        raise VerificationError("not a SIF artifact (the manifest has no config)")
     layers = m.body.get("layers")
     if not isinstance(layers, list) or len(layers) != 1:
         n = len(layers) if isinstance(layers, list) else 0
         raise VerificationError(f"a SIF artifact has exactly one layer, this one has {n}")
     layer = layers[0]
-    if not isinstance(layer, dict) or layer.get("mediaType") not in (SIF_LAYER, SIF_LAYER_PROTO):
+    if not isinstance(layer, dict) or layer.get("mediaType") not in SIF_LAYER_TYPES:
         raise VerificationError("the layer is not a SIF file")
     digest, size = layer.get("digest"), layer.get("size")
     if not isinstance(digest, str) or not valid_digest(digest):
@@ -84,6 +93,15 @@ def sif_layer(m: FetchedManifest) -> SifLayer:
     annotations = layer.get("annotations") or {}
     title = annotations.get(TITLE, "") if isinstance(annotations, dict) else ""
     return SifLayer(digest, size, str(title))
+
+
+def is_sif_artifact(body: dict[str, Any]) -> bool:
+    """Whether a manifest holds a SIF as Apptainer's pull knows one: by a layer's
+    type, whatever its config says (:func:`sif_layer` then checks it strictly)."""
+    layers = body.get("layers")
+    return isinstance(layers, list) and any(
+        isinstance(x, dict) and x.get("mediaType") in SIF_LAYER_TYPES for x in layers
+    )
 
 
 def sif_manifest(config_digest: str, layer_digest: str, layer_size: int, title: str) -> bytes:

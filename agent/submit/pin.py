@@ -63,7 +63,7 @@ def _refuse_unrunnable(client: RegistryClient, ref: Reference, m: Manifest) -> N
     from the blob's first bytes (a registry that does not answer for them leaves the
     check to the node, as before)."""
     from tfimage.agent.core.sif import machine_arch
-    from tfimage.agent.registry.artifact import SIF_CONFIG, sif_layer
+    from tfimage.agent.registry.artifact import is_sif_artifact, sif_layer
     from tfimage.agent.registry.sifhead import unfit
 
     layers = m.body.get("layers")
@@ -75,11 +75,8 @@ def _refuse_unrunnable(client: RegistryClient, ref: Reference, m: Manifest) -> N
             " of an OCI-SIF), which tfimage does not convert: push it with tar layers"
             " or as a SIF"
         )
-    config = m.body.get("config")
-    if ref.transport == "docker" or not isinstance(config, dict):
+    if ref.transport == "docker" or not is_sif_artifact(m.body):
         return  # an OCI image (or an index): converted on the node
-    if config.get("mediaType") != SIF_CONFIG:
-        return
     try:
         layer = sif_layer(m)
     except VerificationError as e:

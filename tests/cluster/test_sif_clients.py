@@ -1,7 +1,7 @@
-"""SIFs as a site's older clients pushed them, run in real jobs on both nodes: a
-Docker schema 2 manifest (SingularityCE 4.0-4.3, Apptainer 1.3.0;
-``internal/pkg/client/oras/image.go`` before "fixed the wrong mediaType in the oras
-push manifest") and an image index holding a SIF per platform, pinned at submit to
+"""SIFs as a site's older clients pushed them, run in real jobs on both nodes: the
+exact manifests of SingularityCE 4.0-4.3 and Apptainer 1.3.0 (Docker schema 2) and
+of SingularityCE 3.9-3.11 and Apptainer 1.0-1.2 (oras-go's unknown config type),
+from tests/peers.py; and an image index holding a SIF per platform, pinned at submit to
 this platform's manifest; squashfs compressions other than ours; and a data-only SIF,
 refused at submit."""
 
@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from conftest import Cluster, busybox_sif, push, site_registry
 
+from peers import PUSHES, Push
 from tfimage.agent.registry.artifact import SIF_CONFIG, SIF_LAYER, TITLE
 from tfimage.agent.registry.client import RegistryClient
-from tfimage.agent.registry.mediatypes import DOCKER_MANIFEST, OCI_INDEX, OCI_MANIFEST
+from tfimage.agent.registry.mediatypes import OCI_INDEX, OCI_MANIFEST
 from tfimage.agent.registry.platforms import this_platform
 
 
@@ -50,13 +51,22 @@ def _markers(cluster: Cluster, workdir: Path, image: str) -> list[str]:
     return sorted(r.stdout.split())
 
 
-def test_a_sif_pushed_with_a_docker_schema2_manifest_runs_on_both_nodes(
-    cluster: Cluster, workdir: Path, tmp_path: Path
+# The two shapes most of a site's older SIFs have (tests/peers.py cites each).
+OLDER = [p for p in PUSHES if p.name in ("ggcr-docker", "oras-go-default")]
+
+
+@pytest.mark.parametrize("peer", OLDER, ids=[p.name for p in OLDER])
+def test_a_sif_as_an_older_client_pushed_it_runs_on_both_nodes(
+    cluster: Cluster, workdir: Path, tmp_path: Path, peer: Push
 ) -> None:
     up = site_registry(cluster).client()
-    marker = f"schema2-{os.urandom(4).hex()}"
-    _push(up, "library/schema2", busybox_sif(tmp_path, marker), "1", DOCKER_MANIFEST)
-    assert _markers(cluster, workdir, "schema2:1") == [marker, marker]
+    marker = f"{peer.name}-{os.urandom(4).hex()}"
+    sif = busybox_sif(tmp_path, marker)
+    layer, size = up.push_blob("library/older", sif)
+    up.push_bytes("library/older", peer.config_blob)
+    raw = peer.manifest(layer, size, sif.name)
+    up.push_manifest("library/older", peer.name, raw, peer.content_type)
+    assert _markers(cluster, workdir, f"older:{peer.name}") == [marker, marker]
 
 
 def test_an_index_of_sifs_runs_this_platforms_image_on_both_nodes(

@@ -1,11 +1,12 @@
 """SIF artifacts as the clients a site has used pushed them, pulled from a real
-registry into the cache: every manifest media type Apptainer's own pull accepts
-(its ``internal/pkg/client/oras/pull.go`` checks the layer's type, not the
+registry into the cache: every manifest and config media type Apptainer's own pull accepts
+(its ``internal/pkg/client/oras/oras.go`` DownloadImage checks the layer's type, not the
 manifest's), with the cache's checks (one layer, size, sha256, SIF magic) as
 strict for each."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from peers import PUSHES, Push
 from support import Registry
 from tfimage.agent.cache.pull import Puller
 from tfimage.agent.cache.store import ImageCache
@@ -57,37 +59,64 @@ def _manifest(media_type: str | None, config: str, layer: str, size: int) -> byt
     return json.dumps(body).encode()
 
 
-# (tag, the body's mediaType, the Content-Type of the push): who pushes it so
-CLIENTS = [
-    # SingularityCE >= 4.4.0 and Apptainer >= 1.4.0 ("oras: use OCI Manifest Schema 1")
-    ("oci", OCI_MANIFEST, OCI_MANIFEST),
-    # SingularityCE 4.0-4.3 and Apptainer 1.3.0 (internal/pkg/client/oras/image.go,
-    # before "fixed the wrong mediaType in the oras push manifest")
-    ("docker-schema2", DOCKER_MANIFEST, DOCKER_MANIFEST),
-    # a body that names no type (older ORAS pushes): the registry's Content-Type rules
-    ("untyped", None, OCI_MANIFEST),
-]
-
-
-@pytest.mark.parametrize(("tag", "body_type", "content_type"), CLIENTS, ids=[c[0] for c in CLIENTS])
-def test_a_sif_pushed_with_each_manifest_type_a_client_used_is_pulled(
+@pytest.mark.parametrize("push", PUSHES, ids=[p.name for p in PUSHES])
+def test_a_sif_as_each_client_release_pushed_it_is_pinned_and_pulled(
     registry: Registry,
     make_sif: Callable[[dict[str, str]], Path],
     tmp_path: Path,
-    tag: str,
-    body_type: str | None,
-    content_type: str,
+    push: Push,
 ) -> None:
+    """The exact bytes each release PUT (tests/peers.py cites its source): pinned
+    at submit through the header check, then pulled, its bytes the SIF's own."""
     up = _client(registry)
-    sif = make_sif({"etc/tfimage-test-image": f"pushed as {tag}\n"})
+    sif = make_sif({"etc/tfimage-test-image": f"pushed by {push.clients}\n"})
     layer, size = up.push_blob("library/clients", sif)
-    config = up.push_bytes("library/clients", b"{}")
-    up.push_manifest(
-        "library/clients", tag, _manifest(body_type, config, layer, size), content_type
-    )
+    assert up.push_bytes("library/clients", push.config_blob).startswith("sha256:")
+    raw = push.manifest(layer, size, sif.name)
+    digest = up.push_manifest("library/clients", push.name, raw, push.content_type)
+    assert digest == "sha256:" + hashlib.sha256(raw).hexdigest()
     cfg = load_config(registry.write_site(tmp_path))
-    got = Puller(ImageCache(cfg)).ensure(cfg.reference(f"clients:{tag}"))
+    pinned, warning = pin(
+        cfg, cfg.reference(f"clients:{push.name}"), lambda _h: up, tmp_path / "seen"
+    )
+    assert (pinned.digest, warning) == (digest, None)
+    got = Puller(ImageCache(cfg)).ensure(pinned)
     assert got.path.read_bytes() == sif.read_bytes()
+
+
+def test_the_fixtures_match_the_example_manifest_apptainer_1_3_0_documents() -> None:
+    """apptainer v1.3.0 internal/pkg/client/oras/image.go draws the manifest it
+    pushes in a comment; the ggcr-docker fixture is that manifest, plus the
+    ``mediaType`` the struct literal below the comment sets."""
+    layer = "sha256:13e1552aaf6aa3916353730be52e06ec214ae8f8a89062cec1f33990b553a6c9"
+    example = {
+        "schemaVersion": 2,
+        "config": {
+            "mediaType": "application/vnd.sylabs.sif.config.v1+json",
+            "digest": "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a",
+            "size": 2,
+        },
+        "layers": [
+            {
+                "mediaType": "application/vnd.sylabs.sif.layer.v1.sif",
+                "digest": layer,
+                "size": 29814784,
+                "annotations": {"org.opencontainers.image.title": "ubuntu_latest.sif"},
+            }
+        ],
+    }
+    (ggcr,) = [p for p in PUSHES if p.name == "ggcr-docker"]
+    raw = ggcr.manifest(layer, 29814784, "ubuntu_latest.sif")
+    body = json.loads(raw)
+    assert body.pop("mediaType") == DOCKER_MANIFEST
+    assert body == example
+    # Go's encoding: compact, and the descriptor's size before its digest (ggcr's
+    # field order), where image-spec's puts the digest first.
+    assert raw.startswith(b'{"schemaVersion":2,"mediaType":"application/vnd.docker')
+    assert b'"size":2,"digest":"sha256:44136fa' in raw
+    (oras,) = [p for p in PUSHES if p.name == "oras-go-default"]
+    empty_json = "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
+    assert f'"digest":"{empty_json}","size":2'.encode() in oras.manifest(empty_json, 1, "x.sif")
 
 
 def test_a_docker_schema2_sif_is_checked_as_strictly_as_an_oci_one(
