@@ -48,6 +48,7 @@ from tfimage.agent.core import layout, toolrun
 from tfimage.agent.core.errors import RuntimeSetupError
 from tfimage.agent.core.fsutil import held
 from tfimage.agent.core.sif import root_partition
+from tfimage.agent.step.squashcomp import Readers, compression
 
 MOUNT_TIMEOUT = 30.0
 # Every mount tfimage makes: read-only, and never a setuid file or device from an image.
@@ -159,10 +160,13 @@ def mount_image(
     sif: Path,
     digest: str,
     drivers: Sequence[str] = ("squashfuse",),
+    readers: Readers | None = None,
 ) -> Path:
     """The SIF's root partition mounted (idempotent), shared by every job on the node
     (see above), with the first of ``drivers`` that works here; each that does not
-    is logged and skipped.  The caller has made ``job_id`` a holder of the image."""
+    (or that ``readers``, by default this node's, says cannot read the image's
+    compression) is logged and skipped.  The caller has made ``job_id`` a holder of
+    the image."""
     shared = shared_dir(state_dir, digest)
     _mkdirs(Path(state_dir), shared.parent, TRAVERSE_ONLY)
     with held(Path(f"{shared}.lock")):
@@ -170,7 +174,7 @@ def mount_image(
             return shared
         if not in_job_cgroup():
             _unmount(shared)  # a dead FUSE mount: its process was killed
-            return _mount(state_dir, shared, sif, drivers)
+            return _mount(state_dir, shared, sif, drivers, readers)
     # Inside a job's cgroup: a mount of its own, which goes when the job does.
     private = _path(lambda: layout.job_image_mount(state_dir, job_id, digest))
     with job_lock(state_dir, job_id):
@@ -178,7 +182,7 @@ def mount_image(
             return private
         _unmount(private)
         _mkdirs(Path(state_dir), private.parent, TRAVERSE_ONLY)
-        return _mount(state_dir, private, sif, drivers)
+        return _mount(state_dir, private, sif, drivers, readers)
 
 
 def _unmount(target: Path) -> None:
@@ -199,26 +203,42 @@ def _take_off(target: str, what: str) -> bool:
         return False
 
 
-def _mount(state_dir: str, target: Path, sif: Path, drivers: Sequence[str]) -> Path:
+def _mount(
+    state_dir: str, target: Path, sif: Path, drivers: Sequence[str], readers: Readers | None
+) -> Path:
     _mkdirs(Path(state_dir), target)
     with sif.open("rb") as f:
         part = root_partition(f, sif.stat().st_size)
+        comp = compression(f, part.offset)
     if not drivers:
         raise RuntimeSetupError(
             "no image mount driver may mount this image: image_mount has only kernel, and "
             "image_mount_kernel does not list where it came from"
         )
+    readers = readers or Readers()
     last: RuntimeSetupError | None = None
+    unread: list[str] = []
     for driver in drivers:
-        try:
-            toolrun.run(_mount_argv(driver, sif, part.offset, target), timeout=MOUNT_TIMEOUT,
-                        what=f"mounting the image ({driver})")  # fmt: skip
-            return target
-        except RuntimeSetupError as e:
-            _unmount(target)  # it mounted, then failed (a timeout): not trusted
-            last = e
-            if driver != drivers[-1]:
-                log.warning("image mount: %s: %s; trying the next driver", driver, e)
+        why = readers.cannot_read(driver, comp)
+        if why:
+            unread.append(f"{driver} ({why})")
+            last = RuntimeSetupError(f"{driver} cannot read {comp} squashfs: {why}")
+        else:
+            try:
+                toolrun.run(_mount_argv(driver, sif, part.offset, target), timeout=MOUNT_TIMEOUT,
+                            what=f"mounting the image ({driver})")  # fmt: skip
+                return target
+            except RuntimeSetupError as e:
+                _unmount(target)  # it mounted, then failed (a timeout): not trusted
+                last = e if comp in (None, "gzip") else RuntimeSetupError(f"{e} ({comp} image)")
+        if driver != drivers[-1]:
+            log.warning("image mount: %s: %s; trying the next driver", driver, last)
+    if len(unread) == len(drivers):
+        raise RuntimeSetupError(
+            f"the image's squashfs is {comp}-compressed, which no image mount driver here"
+            f" reads: {', '.join(unread)}; rebuild it with gzip (mksquashfs's default) or"
+            " install a driver that reads it"
+        )
     assert last is not None
     raise last
 

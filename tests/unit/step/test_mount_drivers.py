@@ -14,8 +14,8 @@ from support import Registry, build_sif
 from tfimage.agent.cache.pull import Puller
 from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.core.config import config_from_mapping, load_config
-from tfimage.agent.core.errors import ConfigError
-from tfimage.agent.step import imagemount, slurmstubs
+from tfimage.agent.core.errors import ConfigError, RuntimeSetupError
+from tfimage.agent.step import elfname, imagemount, slurmstubs, squashcomp
 
 FSTYPE = {
     "kernel": "squashfs",
@@ -196,3 +196,77 @@ def test_a_bind_where_a_stand_in_would_go_wins_and_the_others_run(
     finally:
         assert imagemount.release_job(str(state), "64") == []
         imagemount.release_images(str(state), lambda digest: False)
+
+
+def _config_without(option: str) -> str:
+    """This node's kernel config with one squashfs compressor turned off, as a
+    kernel built without it has it."""
+    config = squashcomp.Readers().kernel_config
+    if config is None:
+        pytest.skip("this kernel publishes no build config (/proc/config.gz, /boot/config-*)")
+    assert f"CONFIG_SQUASHFS_{option}=y" in config
+    return config.replace(f"CONFIG_SQUASHFS_{option}=y", f"# CONFIG_SQUASHFS_{option} is not set")
+
+
+def test_this_nodes_drivers_read_every_compression_by_their_own_account() -> None:
+    readers = squashcomp.Readers()
+    assert readers.kernel_config is not None
+    assert squashcomp.kernel_reads(readers.kernel_config) == {"gzip", "xz", "lz4", "zstd", "lzo"}
+    for driver in sorted(FSTYPE):
+        for comp in COMPRESSIONS:
+            assert readers.cannot_read(driver, comp) is None, (driver, comp)
+    libraries = elfname.needed("/usr/bin/squashfuse_ll")
+    assert libraries is not None and "libzstd.so.1" in libraries
+    assert squashcomp.linked_reads(libraries) >= set(COMPRESSIONS)
+
+
+def test_a_squashfuse_not_linked_with_libzstd_is_known_not_to_read_zstd() -> None:
+    # A minimal build: zlib and liblzma only.
+    old = squashcomp.linked_reads(["libz.so.1", "liblzma.so.5", "libfuse.so.2", "libc.so.6"])
+    assert old == {"gzip", "xz", "lzma"}
+    assert squashcomp.kernel_reads("CONFIG_SQUASHFS_ZSTD=y\n") == set()  # no squashfs at all
+
+
+def test_a_kernel_without_zstd_is_skipped_naming_why_and_fuse_mounts_the_image(
+    root_with_fuse: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    readers = squashcomp.Readers(kernel_config=_config_without("ZSTD"))
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "marker").write_text("zstd\n")
+    sif = build_sif(root, tmp_path / "img.sif", "zstd")
+    state = tmp_path / "state"
+    with caplog.at_level("WARNING", logger="tfimage.mount"):
+        img = imagemount.mount_image(
+            str(state), "64", sif, "sha256:" + "d" * 64, ("kernel", "squashfuse_ll"), readers
+        )
+    try:
+        assert _mount_of(img)[0] == "fuse.squashfuse_ll"
+        assert (img / "etc/marker").read_text() == "zstd\n"
+    finally:
+        imagemount.release_images(str(state), lambda digest: False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "image mount: kernel: kernel cannot read zstd squashfs: this kernel was built"
+        " without CONFIG_SQUASHFS_ZSTD; trying the next driver"
+    ]
+    assert _loops_of(sif) == ""  # the kernel was never asked
+
+
+def test_an_image_no_driver_here_reads_is_named_with_each_driver_and_nothing_mounted(
+    root_with_fuse: None, tmp_path: Path
+) -> None:
+    readers = squashcomp.Readers(kernel_config=_config_without("XZ"))
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "marker").write_text("xz\n")
+    sif = build_sif(root, tmp_path / "img.sif", "xz")
+    state = tmp_path / "state"
+    with pytest.raises(RuntimeSetupError) as e:
+        imagemount.mount_image(str(state), "65", sif, "sha256:" + "e" * 64, ("kernel",), readers)
+    assert str(e.value) == (
+        "the image's squashfs is xz-compressed, which no image mount driver here reads:"
+        " kernel (this kernel was built without CONFIG_SQUASHFS_XZ); rebuild it with gzip"
+        " (mksquashfs's default) or install a driver that reads it"
+    )
+    assert not imagemount.mounted(imagemount.shared_dir(str(state), "sha256:" + "e" * 64))
+    assert _loops_of(sif) == ""
