@@ -145,7 +145,7 @@ class Puller:
         client = self._client_factory(host)
         from tfimage.agent.registry.platforms import tag_manifest
 
-        manifest = tag_manifest(client, ref)
+        manifest = tag_manifest(client, ref, self.cfg.node_platform)
         into.append((client, manifest))
         return manifest.digest
 

@@ -102,6 +102,11 @@ class Config:
     # see reference.py.  The allowlist applies to what they map to.
     dockerhub_project: str = ""
     registry_rewrites: dict[str, str] = field(default_factory=dict)
+    # The compute nodes' platform ("linux/arm64"): what a tag naming an image index
+    # of SIFs resolves to, at submit and on a node, and the architecture a SIF is
+    # checked against at submit.  "" for this machine's own: set it where the
+    # login nodes that submit are not the architecture of the nodes that run.
+    platform: str = ""
     # The GPU gate (gpuconfig.py documents every key).
     gpu: GpuPolicy = field(default_factory=GpuPolicy)
 
@@ -109,6 +114,14 @@ class Config:
     def allowlist(self) -> tuple[str, ...]:
         """The admin's allowlist; by default the registry and its mirrors."""
         return self.allowed_registries or (self.registry, *self.mirrors)
+
+    @property
+    def node_platform(self) -> str:
+        """``os/architecture`` the nodes run, in the image spec's words."""
+        # Imported here: a hook that never resolves a tag does not load sif.py.
+        from tfimage.agent.core.sif import machine_arch
+
+        return self.platform or f"linux/{machine_arch()}"
 
     def sources(self, ref: Reference) -> list[str]:
         """Where to fetch ``ref``: its registry, then (for the site's) the mirrors, in order."""
@@ -252,6 +265,9 @@ def _coerce(key: str, value: Any, path: Path) -> Any:
     return value
 
 
+_PLATFORM = re.compile(r"linux/[a-z0-9]{1,16}\Z")
+
+
 def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Config:
     data = dict(data)
     known = {f.name for f in fields(Config)}
@@ -265,6 +281,11 @@ def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Conf
     if not 0 < cfg.cache_low_watermark <= cfg.cache_high_watermark <= 100:
         raise ConfigError(f"{path}: watermarks need 0 < low <= high <= 100")
     _check_upstreams(cfg, path)
+    if cfg.platform and not _PLATFORM.match(cfg.platform):
+        raise ConfigError(
+            f"{path}: 'platform' must be linux/<architecture> as OCI names it"
+            f" (linux/amd64, linux/arm64), not {cfg.platform[:80]!r}"
+        )
     for key in ("cache_dir", "state_dir", "hook_log", "ib_sysfs"):
         if not str(getattr(cfg, key)).startswith("/"):
             raise ConfigError(f"{path}: '{key}' must be an absolute path")

@@ -109,7 +109,7 @@ class Layout:
                 " makes), not an image to run"
             )
         if root.arch != arch:
-            return f"a SIF built for {root.arch}; this machine is {arch}: push an {arch} build"
+            return f"a SIF built for {root.arch}; the nodes run {arch}: push an {arch} build"
         return None
 
 

@@ -66,9 +66,11 @@ def platform_manifest(
     return chosen
 
 
-def tag_manifest(client: RegistryClient, ref: Reference) -> Manifest:
+def tag_manifest(client: RegistryClient, ref: Reference, want: str | None = None) -> Manifest:
     """The manifest ``ref``'s tag names now; for a SIF reference (not ``docker://``)
-    an index's entry for this platform.  What the pin and a node's own tag lookup
-    both take the digest of."""
+    an index's entry for ``want`` (the config's ``node_platform``; by default this
+    machine's).  What the pin and a node's own tag lookup both take the digest of."""
     m = client.manifest(ref.repository, ref.version)
-    return m if ref.transport == "docker" else platform_manifest(client, ref.repository, m)
+    if ref.transport == "docker":
+        return m
+    return platform_manifest(client, ref.repository, m, want)

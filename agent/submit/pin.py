@@ -46,8 +46,8 @@ def _first_answer(
         try:
             from tfimage.agent.registry.platforms import tag_manifest
 
-            m = tag_manifest(client, ref)
-            _refuse_unrunnable(client, ref, m)
+            m = tag_manifest(client, ref, cfg.node_platform)
+            _refuse_unrunnable(client, ref, m, cfg.node_platform.partition("/")[2])
             return m.digest
         except ImageNotFound:
             raise suggest.not_found(client, ref) from None
@@ -57,12 +57,11 @@ def _first_answer(
     raise last
 
 
-def _refuse_unrunnable(client: RegistryClient, ref: Reference, m: Manifest) -> None:
+def _refuse_unrunnable(client: RegistryClient, ref: Reference, m: Manifest, arch: str) -> None:
     """An image this machine cannot run is refused at submit with one line: OCI layers
     of squashfs, or a SIF artifact that core/sif.py's ``Layout.unfit`` names, read
     from the blob's first bytes (a registry that does not answer for them leaves the
     check to the node, as before)."""
-    from tfimage.agent.core.sif import machine_arch
     from tfimage.agent.registry.artifact import is_sif_artifact, sif_layer
     from tfimage.agent.registry.sifhead import unfit
 
@@ -82,7 +81,7 @@ def _refuse_unrunnable(client: RegistryClient, ref: Reference, m: Manifest) -> N
     except VerificationError as e:
         raise VerificationError(f"{ref.unpinned}: {e}") from None
     try:
-        why = unfit(client, ref.repository, layer, machine_arch())
+        why = unfit(client, ref.repository, layer, arch)
     except RegistryError as e:
         if isinstance(e, ImageNotFound):
             raise VerificationError(f"{ref.unpinned}: its SIF layer is missing") from None

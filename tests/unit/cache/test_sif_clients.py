@@ -22,7 +22,7 @@ from tfimage.agent.cache.pull import Puller
 from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.core import layout
 from tfimage.agent.core.config import load_config
-from tfimage.agent.core.errors import VerificationError
+from tfimage.agent.core.errors import ConfigError, VerificationError
 from tfimage.agent.core.sif import machine_arch
 from tfimage.agent.registry.artifact import SIF_CONFIG, SIF_LAYER, TITLE
 from tfimage.agent.registry.client import RegistryClient
@@ -281,7 +281,7 @@ def test_a_sif_it_cannot_run_is_refused_at_submit_from_its_first_bytes(
     )
     # The header and descriptor table only: one range of 64 KiB of a 4 MiB blob.
     assert spy.blob_ranges == [f"bytes=0-{(64 << 10) - 1}"]
-    with pytest.raises(VerificationError, match=f"is a SIF built for {other}; this machine is"):
+    with pytest.raises(VerificationError, match=f"is a SIF built for {other}; the nodes run"):
         pin_tag("foreign")
     assert "@sha256:" in pin_tag("fine")
     # Refused ones were never remembered as seen: an outage cannot pin them either.
@@ -319,3 +319,48 @@ def test_an_oci_image_of_squashfs_layers_is_named_at_submit(
     cfg = load_config(registry.write_site(tmp_path))
     with pytest.raises(VerificationError, match="is an OCI image with squashfs layers"):
         pin(cfg, cfg.reference(f"{transport}ocisif:1"), lambda _h: up, tmp_path / "seen")
+
+
+def test_a_login_node_of_another_architecture_pins_the_nodes_platform_from_config(
+    registry: Registry, tmp_path: Path
+) -> None:
+    """Login nodes on amd64 submitting for arm64 compute nodes (``platform:``): the
+    index resolves to the nodes' entry and the SIF's architecture is checked against
+    theirs, not against the machine that submits."""
+    up = _client(registry)
+    here = machine_arch()
+    nodes, code = ("arm64", 4) if here != "arm64" else ("s390x", 11)
+    here_code = {"amd64": 2, "arm64": 4}.get(here, 2)
+    for_nodes = _siftool_sif(tmp_path, "nodes", parttype=2, arch=code)
+    for_login = _siftool_sif(tmp_path, "login", parttype=2, arch=here_code)
+    d_nodes = up.push_sif("library/cross", "nodes", for_nodes)
+    d_login = up.push_sif("library/cross", "login", for_login)
+    sizes = {d: len(up.manifest("library/cross", d).raw) for d in (d_nodes, d_login)}
+    entries = [(d_login, sizes[d_login], here), (d_nodes, sizes[d_nodes], nodes)]
+    up.push_manifest("library/cross", "1", _index(OCI_INDEX, entries), OCI_INDEX)
+    (tmp_path / "default").mkdir()
+    default = load_config(registry.write_site(tmp_path / "default"))
+    cfg = load_config(registry.write_site(tmp_path, platform=f"linux/{nodes}"))
+    assert cfg.node_platform == f"linux/{nodes}" != default.node_platform
+
+    def pinned(c: Any, tag: str) -> str | None:
+        return pin(c, c.reference(f"cross:{tag}"), lambda _h: up, tmp_path / "seen")[0].digest
+
+    assert pinned(default, "1") == d_login
+    assert pinned(cfg, "1") == d_nodes
+    assert pinned(cfg, "nodes") == d_nodes
+    with pytest.raises(VerificationError, match=f"a SIF built for {here}; the nodes run {nodes}"):
+        pinned(cfg, "login")
+    # A node given the same config resolves the tag to the same bytes.
+    got = Puller(ImageCache(cfg)).ensure(cfg.reference("cross:1"))
+    assert got.ref.digest == d_nodes and got.path.read_bytes() == for_nodes.read_bytes()
+
+
+@pytest.mark.parametrize("bad", ["arm64", "linux/", "windows/amd64", "linux/arm64/v8 x"])
+def test_a_platform_that_is_not_linux_and_an_architecture_is_refused_in_one_line(
+    registry: Registry, tmp_path: Path, bad: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(registry.write_site(tmp_path, platform=bad))
+    assert "'platform' must be linux/<architecture>" in str(e.value)
+    assert "\n" not in str(e.value)

@@ -113,7 +113,7 @@ def test_each_kind_of_sif_tfimage_cannot_run_is_named_with_what_to_do(tmp_path: 
         "ext3": (_sif(tmp_path, "ext3", _part(sqfs, 2, fs=2)), "system partition is ext3"),
         "arch": (
             _sif(tmp_path, "arch", _part(sqfs, 2, arch=other_code)),
-            f"a SIF built for {other}; this machine is {here}: push an {here} build",
+            f"a SIF built for {other}; the nodes run {here}: push an {here} build",
         ),
     }
     for kind, (sif, words) in kinds.items():
