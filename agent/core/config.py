@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tfimage.agent.core import wire
+from tfimage.agent.core.access import Rule, access_rules, segment_glob
 from tfimage.agent.core.errors import ConfigError, ImageReferenceError
 from tfimage.agent.core.gpuconfig import GpuPolicy, gpu_policy
 from tfimage.agent.core.reference import (
@@ -107,6 +108,9 @@ class Config:
     # checked against at submit.  "" for this machine's own: set it where the
     # login nodes that submit are not the architecture of the nodes that run.
     platform: str = ""
+    # Who may run images of which repositories (core/access.py documents the rules):
+    # {"team-a/*": ["@team-a"]}; a repository no rule matches is open to all.
+    access: tuple[Rule, ...] = ()
     # The GPU gate (gpuconfig.py documents every key).
     gpu: GpuPolicy = field(default_factory=GpuPolicy)
 
@@ -137,7 +141,7 @@ class Config:
         ``image_mount_kernel``, where ``*`` matches within one path segment."""
         host, _, repository = (origin or "").partition("/")
         trusted = host in (self.registry, *self.mirrors) and any(
-            _segment_glob(g).match(repository) for g in self.image_mount_kernel
+            segment_glob(g).match(repository) for g in self.image_mount_kernel
         )
         return tuple(d for d in self.image_mount if d != "kernel" or trusted)
 
@@ -179,14 +183,11 @@ _INTS = {
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
-def _segment_glob(pattern: str) -> re.Pattern[str]:
-    """``library/tf-*`` as a regex: ``*`` never crosses a ``/``; nothing else is special."""
-    return re.compile("".join("[^/]*" if c == "*" else re.escape(c) for c in pattern) + r"\Z")
-
-
 def _coerce(key: str, value: Any, path: Path) -> Any:
     if key == "gpu":
         return gpu_policy(value, path)
+    if key == "access":
+        return access_rules(value, path)
     if key == "image_mount":
         drivers = [value] if isinstance(value, str) else value
         if (
@@ -315,7 +316,7 @@ def _check_upstreams(cfg: Config, path: Path) -> None:
         for project in proxied:
             under = project.split("/")
             if len(parts) > len(under) and all(
-                _segment_glob(g).match(u) for g, u in zip(parts, under, strict=False)
+                segment_glob(g).match(u) for g, u in zip(parts, under, strict=False)
             ):
                 raise ConfigError(
                     f"{path}: 'image_mount_kernel': {glob!r} would trust {project}/, which "

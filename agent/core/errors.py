@@ -22,6 +22,8 @@
     |   +-- UnsafeImage          a link (or a non-directory) where tfimage must
     |   |                        write into an unpacked image
     |   +-- DeadlineExceeded     not ready within the config's hook_deadline
+    |   +-- AccessDenied         the job's user may not run images of that
+    |                            repository (the config's access: rules)
     +-- RuntimeSetupError        mounting or preparing the runtime failed   (exit 3)
     +-- NodeFault                the node's own hardware is faulty (a GPU)  (exit 1)
 
@@ -107,6 +109,10 @@ class UnsafeImage(ImageError):  # noqa: N818 - it names what the image is
 
 
 class DeadlineExceeded(ImageError):  # noqa: N818 - it names what happened
+    pass
+
+
+class AccessDenied(ImageError):  # noqa: N818 - it names what happened
     pass
 
 

@@ -34,6 +34,7 @@ def test_importing_it_loads_only_the_core_and_no_heavy_library() -> None:
     ).stdout.split()
     assert loaded == [
         "tfimage.agent.core",
+        "tfimage.agent.core.access",  # the config's access: rules: pure, no NSS lookup
         "tfimage.agent.core.config",
         "tfimage.agent.core.errors",
         "tfimage.agent.core.gpuconfig",  # the config's gpu: section: pure, no pynvml
