@@ -68,7 +68,8 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
 
     try:
         with deadline(cfg.hook_deadline, "prolog"):
-            got = prepare_job(cfg, job_id, image)
+            uid = int(args.uid) if args.uid.isdigit() and len(args.uid) < 11 else None
+            got = prepare_job(cfg, job_id, image, uid=uid)
         note(
             image=str(got.ref),
             repository=got.ref.repository,

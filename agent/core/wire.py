@@ -46,6 +46,7 @@ it against the parsers here, both ways.
 5. **Node hooks** through ``tfimage-hook`` (``spank/hook.c``) to the root socket::
 
        tfimage-prolog --config=PATH --job=N --image=REF --node=NAME --gpus=LIST --mps=PCT
+                      --uid=N
        tfimage-epilog --config=PATH --job=N --image=REF --asked=TEXT --node=NAME
                       --user=NAME --uid=N --account=A --partition=P --array-job=N
                       --array-task=N --exit=E:S --exit-raw=STATUS --gpus=LIST --mps=PCT
@@ -122,18 +123,21 @@ _NODE = HookFlag("--node", ("SLURMD_NODENAME",), "node")
 # The job's GPUs: node-wide indices or UUIDs (gpu/alloc.py).
 _GPUS = HookFlag("--gpus", ("SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"), "gpus")
 _MPS = HookFlag("--mps", ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",), "mps")
+# The job's user as slurmd gives it (never the job's own environment): whose access
+# the prolog checks (core/access.py) and whose usage the epilog records.
+_UID = HookFlag("--uid", ("SLURM_JOB_UID",), "uid")
 
 # Each hook's arguments after ``--config=PATH``, in the order the role's scripts
 # send them (5); tests/unit/deploy/test_hook_scripts.py holds the scripts to it.
 HOOK_FLAGS: dict[str, tuple[HookFlag, ...]] = {
-    "tfimage-prolog": (_JOB, _IMAGE, _NODE, _GPUS, _MPS),
+    "tfimage-prolog": (_JOB, _IMAGE, _NODE, _GPUS, _MPS, _UID),
     "tfimage-epilog": (
         _JOB,
         _IMAGE,
         HookFlag("--asked", (ASKED_IMAGE_VAR,), "image_asked"),
         _NODE,
         HookFlag("--user", ("SLURM_JOB_USER",), "user"),
-        HookFlag("--uid", ("SLURM_JOB_UID",), "uid"),
+        _UID,
         HookFlag("--account", ("SLURM_JOB_ACCOUNT",), "account"),
         HookFlag("--partition", ("SLURM_JOB_PARTITION",), "partition"),
         HookFlag("--array-job", ("SLURM_ARRAY_JOB_ID",), "array_job_id"),

@@ -25,7 +25,7 @@ from tfimage.agent.core.errors import (
     TfimageError,
 )
 from tfimage.agent.core.logtext import oneline
-from tfimage.agent.step import imagemount, slurmstubs
+from tfimage.agent.step import imageaccess, imagemount, slurmstubs
 from tfimage.agent.step.binds import parse_site_binds, parse_user_binds, under
 from tfimage.agent.step.gpudriver import LIB_DIR as DRIVER_LIB_DIR
 from tfimage.agent.step.gpudriver import driver_binds
@@ -92,10 +92,12 @@ def _ready(
     image: str,
     runtime: Runtime,
     cache: ImageCache | None,
+    uid: int | None,
     *,
     prolog: bool = False,
 ) -> tuple[CachedImage, Path | None]:
-    """The job's image in the node cache, and mounted when the runtime needs that."""
+    """The job's image in the node cache, and mounted when the runtime needs that,
+    once ``uid`` (the job's user, as Slurm gives it) may run it (imageaccess.py)."""
     ref = cfg.reference(image)
     key = str(ref.unpinned)
     images = JobImages(cfg, job_id)
@@ -106,8 +108,13 @@ def _ready(
     if known and not ref.digest:
         ref = cfg.reference(known)  # what the job was pinned to, not what the tag is now
     try:
+        imageaccess.check_named(cfg, ref, uid)
         cache = cache or ImageCache(cfg)
         cached = Puller(cache).ensure(ref, job=job_id)
+        if cfg.access and cached.ref.digest:
+            origin = cache.read_entry(cached.ref.digest).origin
+            confirm = imageaccess.registry_confirms(cfg)
+            imageaccess.check_origin(cfg, ref, cached.ref.digest, origin, uid, confirm)
         if not known:
             images.set_pinned(key, str(cached.ref))
         if not runtime.needs_mount:
@@ -129,7 +136,11 @@ def _ready(
 
 
 def prepare_job(
-    cfg: Config, job_id: str, image: str, cache: ImageCache | None = None
+    cfg: Config,
+    job_id: str,
+    image: str,
+    cache: ImageCache | None = None,
+    uid: int | None = None,
 ) -> CachedImage:
     """Prolog: pull the image into the node cache and mount it if the runtime needs it.
 
@@ -138,7 +149,7 @@ def prepare_job(
     remembered too, and the job's steps report it at once instead of trying again.
     """
     runtime = runtime_for(cfg.runtime, cfg.runtime_path, nvccli=cfg.gpu.nvccli)
-    return _ready(cfg, job_id, image, runtime, cache, prolog=True)[0]
+    return _ready(cfg, job_id, image, runtime, cache, uid, prolog=True)[0]
 
 
 def _home_of(uid: int) -> str | None:
@@ -228,7 +239,7 @@ def _step_argv(
         workdir=workdir, home=_home_of(req.uid), binds=tuple(binds), gpus=req.gpus, driver=driver
     )
 
-    cached, image_dir = _ready(cfg, req.job_id, req.image, runtime, cache)
+    cached, image_dir = _ready(cfg, req.job_id, req.image, runtime, cache, req.uid)
     if image_dir is None:
         return runtime.prefix(cached.path, spec)
     # A batch script in the image: srun and its kin say why they are missing.

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from tfimage.agent.core.config import Config
 from tfimage.agent.core.errors import (
+    AccessDenied,
     ImageNotFound,
     ImageReferenceError,
     RegistryError,
@@ -105,6 +106,16 @@ def pin(
     a job runs the bytes pinned when the job was submitted.  ``uid``: whose pin this
     is (the pin server's peer; by default this process's).
     """
+    uid = os.geteuid() if uid is None else uid
+    if cfg.access:
+        from tfimage.agent.core.access import check
+
+        try:
+            check(cfg.access, ref.repository, uid)
+        except AccessDenied:
+            # Said as a repository these credentials cannot read is said: a refused
+            # user learns nothing about what a private project holds.
+            raise ImageNotFound(suggest.message(ref, None)) from None
     if ref.digest:
         return ref, None
     if job_image:
@@ -119,7 +130,6 @@ def pin(
             return client_for(cfg, host, light=True)  # on srun's path: no requests
 
     seen = LastSeen(store or last_seen_file())
-    uid = os.geteuid() if uid is None else uid
     key = str(ref.unpinned)
     try:
         digest = _first_answer(cfg, ref, client_factory)

@@ -366,7 +366,7 @@ def test_a_trickling_registry_ends_the_prolog_at_its_deadline_once(
             asked = len(s.b.seen)
             t = time.monotonic()
             with pytest.raises(ImageError, match=r"the prolog could not ready it .* gave up"):
-                _ready(site, "7", "x:1", runtime_for("charliecloud"), None)
+                _ready(site, "7", "x:1", runtime_for("charliecloud"), None, None)
             assert time.monotonic() - t < 1.0 and len(s.b.seen) == asked
     finally:
         s.httpd.shutdown()
