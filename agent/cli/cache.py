@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -56,8 +57,25 @@ def _out(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, sort_keys=True) if args.json else text)
 
 
+def _may_run(cfg: Config, origin: str | None, uid: int) -> bool:
+    """Whether ``uid`` may run images pulled as ``origin`` (``host/repository``)."""
+    from tfimage.agent.core.access import check
+    from tfimage.agent.core.errors import AccessDenied
+
+    try:
+        check(cfg.access, (origin or "").partition("/")[2], uid)
+    except AccessDenied:
+        return False
+    return True
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    entries = _cache(args).entries()
+    cache = _cache(args)
+    entries = cache.entries()
+    uid = os.geteuid()
+    if cache.cfg.access and uid != 0:
+        # A user lists only what they may run (core/access.py); root lists everything.
+        entries = [e for e in entries if _may_run(cache.cfg, e.origin, uid)]
     if args.json:
         print(json.dumps([e.to_json() for e in entries], sort_keys=True))
         return 0

@@ -6,7 +6,12 @@ run ``team-a/*``, ``daemon`` (not in it) may not."""
 from __future__ import annotations
 
 import grp
+import json
 import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,9 +47,11 @@ class Site:
 def site(
     registry: Registry,
     make_sif: Callable[[dict[str, str]], Path],
-    tmp_path: Path,
     root_with_fuse: None,
 ) -> Iterator[Site]:
+    # Where other users may read the cache's metadata (pytest's tmp_path is 0700).
+    shared = Path(tempfile.mkdtemp(prefix="tfimage-access-"))
+    shared.chmod(0o755)
     up = RegistryClient(
         registry.host,
         Credential(registry.username, registry.password),
@@ -58,12 +65,13 @@ def site(
     }
     assert TEAM in identity(NOBODY.pw_uid).groups
     assert TEAM not in identity(DAEMON.pw_uid).groups
-    cfg = load_config(registry.write_site(tmp_path, access=f'{{"team-a/*": ["@{TEAM}"]}}'))
+    cfg = load_config(registry.write_site(shared, access=f'{{"team-a/*": ["@{TEAM}"]}}'))
     yield Site(cfg, up, digests, private)
     state = cfg.state_dir
     for job in ("1", "2", "3", "4"):
         imagemount.release_job(state, job)
     imagemount.release_images(state, lambda digest: False)
+    shutil.rmtree(shared)
 
 
 def _cached(cfg: Config) -> list[str]:
@@ -145,3 +153,25 @@ def test_at_submit_a_refused_user_hears_what_a_missing_repository_says(
     assert not seen.exists() or "team-a" not in seen.read_text()
     pinned, _ = pin(cfg, cfg.reference("team-a/tiny:1.0"), lambda _h: up, seen, uid=NOBODY.pw_uid)
     assert pinned.digest == digests["team-a/tiny"]
+
+
+def _ls_as(user: pwd.struct_passwd, cfg_path: Path) -> list[str]:
+    out = subprocess.run(
+        ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--init-groups",
+         str(Path(sys.executable).parent / "tfimage"), f"--config={cfg_path}", "cache", "ls",
+         "--json"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    return sorted(e["origin"].partition("/")[2] for e in json.loads(out))
+
+
+def test_cache_ls_shows_a_user_only_what_they_may_run_and_root_everything(
+    site: Site,
+) -> None:
+    cfg = site.cfg
+    prepare_job(cfg, "1", "team-a/tiny:1.0", uid=NOBODY.pw_uid)
+    prepare_job(cfg, "2", "library/tiny:1.0", uid=DAEMON.pw_uid)
+    cfg_path = Path(cfg.cache_dir).parent / "config.yaml"
+    assert _ls_as(NOBODY, cfg_path) == ["library/tiny", "team-a/tiny"]
+    assert _ls_as(DAEMON, cfg_path) == ["library/tiny"]
+    assert _ls_as(pwd.getpwuid(0), cfg_path) == ["library/tiny", "team-a/tiny"]
