@@ -209,3 +209,76 @@ def fake_nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from gpus import build_fake_nvml
 
     return build_fake_nvml(tmp_path_factory.mktemp("fakenvml"))
+
+
+TEAM_ROBOT = ("robot$team-a+puller", "team-a-pass")  # team-a's own Harbor robot
+
+
+def _project_proxy() -> Callable[..., str]:
+    """deploy/local/project_proxy.py's nginx_conf, the one the local cluster uses."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "deploy/local/project_proxy.py"
+    spec = importlib.util.spec_from_file_location("project_proxy", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.nginx_conf  # type: ignore[no-any-return]
+
+
+def _htpasswd(path: Path, user: str, password: str) -> Path:
+    out = subprocess.run(["htpasswd", "-Bbn", user, password], check=True,
+                         capture_output=True, timeout=60).stdout  # fmt: skip
+    path.write_bytes(out)
+    return path
+
+
+@pytest.fixture(scope="session")
+def project_registry(tmp_path_factory: pytest.TempPathFactory, tls: Path) -> Iterator[Registry]:
+    """A registry behind Debian's nginx with a robot per project: ``team-a/`` reads
+    only with TEAM_ROBOT, everything else only with ROBOT (the ``Registry``'s)."""
+    need("docker-registry", "htpasswd", "nginx")
+    d = tmp_path_factory.mktemp("project-registry")
+    upstream = f"127.0.0.1:{_free_port()}"
+    (d / "config.yml").write_text(
+        "version: 0.1\nlog: {level: error}\n"
+        f"storage: {{filesystem: {{rootdirectory: {d / 'data'}}}, delete: {{enabled: true}}}}\n"
+        f"http: {{addr: '{upstream}'}}\n"
+    )
+    host = f"127.0.0.1:{_free_port()}"
+    conf = _project_proxy()(
+        host,
+        upstream,
+        str(tls / "srv.crt"),
+        str(tls / "srv.key"),
+        str(d),
+        str(_htpasswd(d / "site.htpasswd", *ROBOT)),
+        {"team-a": str(_htpasswd(d / "team-a.htpasswd", *TEAM_ROBOT))},
+    )
+    (d / "nginx.conf").write_text(conf)
+    with contextlib.ExitStack() as stack:
+        for argv, log in (
+            (["docker-registry", "serve", str(d / "config.yml")], "registry.log"),
+            (["nginx", "-c", str(d / "nginx.conf"), "-p", str(d)], "nginx.out"),
+        ):
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=(d / log).open("w"))
+            stack.callback(_stop, proc)
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"https://{host}/v2/", verify=str(tls / "ca.crt"),
+                                timeout=1).status_code == 401:  # fmt: skip
+                    break
+            if time.monotonic() > deadline:
+                logs = "".join(p.read_text()[-300:] for p in d.glob("*.log"))
+                raise RuntimeError(f"project proxy did not start: {logs}")
+            time.sleep(0.1)
+        yield Registry(host, tls / "ca.crt", *ROBOT)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()

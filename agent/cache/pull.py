@@ -177,7 +177,7 @@ class Puller:
                     pinned.digest,
                     converted,
                     layout.cache_convert_work(root, pinned.digest),
-                    credential=client.credential,
+                    credential=client.credential_for(pinned.repository),
                     ca_bundle=self.cfg.ca_bundle,
                 )
                 self.cache.publish(converted, pinned, job=job, source=host, blob=None)

@@ -40,9 +40,12 @@ def client_for(cfg: Config, host: str, *, light: bool = False) -> RegistryClient
         from tfimage.agent.registry.transport import StdlibTransport
 
         transport = StdlibTransport()
+    prefix = f"{host}/"
+    projects = {k.removeprefix(prefix): c for k, c in creds.items() if k.startswith(prefix)}
     return RegistryClient(
         host,
         creds.get(host),
+        projects=projects,
         ca_bundle=cfg.ca_bundle,
         connect_timeout=cfg.connect_timeout,
         read_timeout=cfg.read_timeout,

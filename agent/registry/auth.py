@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.parse
+from collections.abc import Mapping
 
 from tfimage.agent.core.errors import RegistryError, VerificationError
 from tfimage.agent.core.logtext import oneline
@@ -40,12 +41,16 @@ class HostAuth:
         credential: Credential | None,
         *,
         transport: Transport,
+        projects: Mapping[str, Credential] | None = None,
         timeout: tuple[float, float],
         verify: str | bool,
         token_realms: tuple[str, ...] = (),
     ) -> None:
         self.host = host
         self._cred = credential
+        # Credentials for repositories under a path (credentials.py's host/project
+        # keys, the host stripped): a project's own robot.
+        self._projects = dict(projects or {})
         self._transport = transport
         self._timeout = timeout
         self._verify = verify
@@ -61,16 +66,30 @@ class HostAuth:
         token = self._tokens.get(scope)
         return f"Bearer {token}" if token is not None else None
 
-    def basic(self) -> tuple[str, str] | None:
+    def credential(self, repository: str) -> Credential | None:
+        """The credential for ``repository``: its project's, else the host's."""
+        parts = repository.split("/") if repository else []
+        for n in range(len(parts), 0, -1):
+            if (cred := self._projects.get("/".join(parts[:n]))) is not None:
+                return cred
+        return self._cred
+
+    def _for_scope(self, scope: str) -> Credential | None:
+        kind, _, rest = scope.partition(":")
+        return self.credential(rest.rpartition(":")[0] if kind == "repository" else "")
+
+    def basic(self, scope: str = "") -> tuple[str, str] | None:
         """The credentials to send as Basic auth, once the registry asked for them."""
-        return (self._cred.username, self._cred.password) if self._basic and self._cred else None
+        cred = self._for_scope(scope)
+        return (cred.username, cred.password) if self._basic and cred else None
 
     def answer(self, resp: Response, scope: str) -> None:
         """Meet a 401's challenge, so that the request sent again is authorized."""
         challenge = resp.headers.get("WWW-Authenticate", "")
         kind = challenge.split(" ", 1)[0].lower()
+        cred = self._for_scope(scope)
         if kind == "basic":
-            if not self._cred:
+            if not cred:
                 raise RegistryError(f"{self.host}: requires credentials and none are configured")
             self._basic = True
             return
@@ -81,7 +100,7 @@ class HostAuth:
         if not realm or not realm.startswith("https://"):
             raise RegistryError(f"{self.host}: bearer realm must be https")
         realm_host = _host_port(urllib.parse.urlsplit(realm).netloc)
-        if self._cred and realm_host not in self._realms:
+        if cred and realm_host not in self._realms:
             # The password goes to the registry's own host, or a token service the
             # admin named; a registry's answer never sends it elsewhere.
             raise RegistryError(
@@ -90,10 +109,10 @@ class HostAuth:
                 "(an admin may allow it: token_realms in the config)"
             )
         query = {"service": params.get("service", ""), "scope": params.get("scope", scope)}
-        self._tokens[scope] = self._fetch_token(realm, query)
+        self._tokens[scope] = self._fetch_token(realm, query, cred)
 
-    def _fetch_token(self, realm: str, query: dict[str, str]) -> str:
-        auth = (self._cred.username, self._cred.password) if self._cred else None
+    def _fetch_token(self, realm: str, query: dict[str, str], cred: Credential | None) -> str:
+        auth = (cred.username, cred.password) if cred else None
         sep = "&" if "?" in realm else "?"
         try:
             with self._transport.request(

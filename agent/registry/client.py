@@ -15,7 +15,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -132,6 +132,7 @@ class RegistryClient:
         scheme: str = "https",
         sleep: Callable[[float], None] = time.sleep,
         token_realms: tuple[str, ...] = (),
+        projects: Mapping[str, Credential] | None = None,
     ) -> None:
         self.host = host
         self.credential = credential
@@ -152,7 +153,13 @@ class RegistryClient:
             timeout=self._timeout,
             verify=self._verify,
             token_realms=token_realms,
+            projects=projects,
         )
+
+    def credential_for(self, repository: str) -> Credential | None:
+        """The credential this client reads ``repository`` with (its project's own
+        robot where the credentials file names one)."""
+        return self._auth.credential(repository)
 
     # -- transport ---------------------------------------------------------------
 
@@ -169,7 +176,7 @@ class RegistryClient:
                     method,
                     url,
                     headers=headers,
-                    auth=self._auth.basic(),
+                    auth=self._auth.basic(scope),
                     timeout=self._timeout,
                     verify=self._verify,
                     **kw,

@@ -4,6 +4,14 @@
       harbor.example:
         username: robot$library+puller
         password: "..."
+      harbor.example/team-a:             # a project's own robot
+        username: robot$team-a+puller
+        password: "..."
+
+A key names a registry host, or a host and a repository path under it (a Harbor
+project): for a repository the most specific key wins (``harbor.example/team-a``
+for ``team-a/tiny``; ``harbor.example`` for ``library/tiny``), so each team's
+project is read with its own robot and no node credential need read them all.
 
 Credentials never go to logs, to a job's environment, or into exception text.
 """
@@ -13,6 +21,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +58,13 @@ def _read_private(path: Path) -> str:
         return f.read()
 
 
+# host[:port], then optionally the repository path a project's robot reads.
+_KEY = re.compile(r"[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[a-z0-9][a-z0-9._-]*)*\Z")
+
+
 def load_credentials(path: str | Path) -> dict[str, Credential]:
-    """Credentials by registry host; an absent file means anonymous access."""
+    """Credentials by registry host, or ``host/project`` (the most specific key
+    wins: registry/auth.py); an absent file means anonymous access."""
     p = Path(path)
     try:
         text = _read_private(p)
@@ -83,6 +97,10 @@ def load_credentials(path: str | Path) -> dict[str, Credential]:
             or not isinstance(entry.get("password"), str)
         ):
             raise CredentialsError(f"{p}: entry for {host!r} needs username and password")
+        if "/" in str(host) and not _KEY.match(str(host)):
+            raise CredentialsError(
+                f"{p}: {str(host)[:80]!r} is not a registry host or host/project"
+            )
         out[str(host)] = Credential(entry["username"], entry["password"])
     return out
 

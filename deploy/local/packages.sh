@@ -14,6 +14,7 @@ PKGS=(
     strace     # a test sees the download's writeback hint reach the kernel
     logrotate  # the usage log survives both ways of rotating it
     prometheus prometheus-node-exporter  # the metrics tests scrape a real node_exporter
+    nginx      # a per-project auth proxy in front of the registry (project_proxy.py)
 )
 missing=()
 for p in "${PKGS[@]}"; do
