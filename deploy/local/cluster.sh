@@ -37,11 +37,16 @@ REGISTRY_RATE=${TFIMAGE_REGISTRY_RATE:-}
 REG_PORT=5443
 REGISTRY=$CTL_ADDR:$REG_PORT
 TEST_USER=${TFIMAGE_TEST_USER:-tfuser}
+# A second team's user: not in group team-a, whose private images TEST_USER may run.
+TEST_USER2=${TFIMAGE_TEST_USER2:-tfuser2}
 ROBOT='robot$tfimage+ci'
 ENV_FILE=$REPO/build/cluster.env
 FLAVOR=${SLURM_FLAVOR:-host}
 ROOT=""   # the other Slurm's chroot, when FLAVOR=other
 DAEMON_ARGS=()  # more arguments for `tfimage daemon` (cluster.sh daemon NODE ARGS...)
+
+# shellcheck source=deploy/local/proxy.sh
+. "$REPO/deploy/local/proxy.sh"
 
 # Run a Slurm or munge program of the selected flavor.
 in_root() { if [ -n "$ROOT" ]; then chroot "$ROOT" "$@"; else "$@"; fi; }
@@ -136,6 +141,7 @@ down() {
     [ ! -f "$RUN/chroot.root" ] || login_run=$(cat "$RUN/chroot.root")/run/tfimage
     rm -f "$login_run/daemon.sock" "$login_run/pin.sock" "$login_run/resolve.sock" "$login_run/last-seen.json"
     stop_pid "$RUN/slurmctld.pid"
+    stop_proxy
     stop_pid "$RUN/registry.pid"
     stop_pid "$RUN/munged.pid"
     if [ -f "$RUN/chroot.root" ]; then
@@ -175,7 +181,10 @@ hosts_entries() { # add|remove the cluster's names in /etc/hosts, in place
 }
 
 setup_user() {
+    getent group "$TEAM" >/dev/null || groupadd "$TEAM"
     id "$TEST_USER" >/dev/null 2>&1 || useradd -m -s /bin/bash "$TEST_USER"
+    id -nG "$TEST_USER" | tr ' ' '\n' | grep -qx "$TEAM" || usermod -aG "$TEAM" "$TEST_USER"
+    id "$TEST_USER2" >/dev/null 2>&1 || useradd -m -s /bin/bash "$TEST_USER2"
     # charliecloud needs allow_other on the root-made squashfuse mounts
     grep -q '^user_allow_other' /etc/fuse.conf 2>/dev/null || echo user_allow_other >>/etc/fuse.conf
 }
@@ -244,6 +253,13 @@ setup_root() { # the other flavor's chroot: kernel filesystems, /home, the state
     chroot "$ROOT" getent group "$TEST_USER" >/dev/null || chroot "$ROOT" groupadd -g "$gid" "$TEST_USER"
     chroot "$ROOT" id "$TEST_USER" >/dev/null 2>&1 \
         || chroot "$ROOT" useradd -M -u "$uid" -g "$gid" -d "/home/$TEST_USER" -s /bin/sh "$TEST_USER"
+    uid=$(id -u "$TEST_USER2"); gid=$(id -g "$TEST_USER2")
+    chroot "$ROOT" getent group "$TEST_USER2" >/dev/null || chroot "$ROOT" groupadd -g "$gid" "$TEST_USER2"
+    chroot "$ROOT" id "$TEST_USER2" >/dev/null 2>&1 \
+        || chroot "$ROOT" useradd -M -u "$uid" -g "$gid" -d "/home/$TEST_USER2" -s /bin/sh "$TEST_USER2"
+    chroot "$ROOT" getent group "$TEAM" >/dev/null \
+        || chroot "$ROOT" groupadd -g "$(getent group "$TEAM" | cut -d: -f3)" "$TEAM"
+    chroot "$ROOT" usermod -aG "$TEAM" "$TEST_USER"
     grep -q '^user_allow_other' "$ROOT/etc/fuse.conf" 2>/dev/null || echo user_allow_other >>"$ROOT/etc/fuse.conf"
     mkdir -p "$ROOT/var/cache/tfimage" "$ROOT/run/tfimage" "$ROOT/var/log/tfimage" "$ROOT/.oldroot"
 }
@@ -270,7 +286,9 @@ make_pki() {
 start_registry() {
     local d=$STATE/registry
     mkdir -p "$d/data"
-    htpasswd -Bbn "$ROBOT" "$(cat "$STATE/pki/robot.password")" >"$d/htpasswd" 2>/dev/null
+    rm -f "$d/htpasswd"  # its auth is the proxy's now (proxy.sh)
+    # An upload's Location names the host the client asked (the proxy passes Host
+    # and X-Forwarded-Proto on).
     cat >"$d/config.yml" <<YML
 version: 0.1
 log: {level: warn}
@@ -278,21 +296,17 @@ storage:
   filesystem: {rootdirectory: $d/data}
   delete: {enabled: true}
 http:
-  addr: $REGISTRY
-  tls: {certificate: $STATE/pki/server.crt, key: $STATE/pki/server.key}
-auth:
-  htpasswd: {realm: tfimage-local, path: $d/htpasswd}
+  addr: $UPSTREAM
 YML
     setsid docker-registry serve "$d/config.yml" >"$LOGS/registry.log" 2>&1 </dev/null &
     echo $! >"$RUN/registry.pid"
     for _ in $(seq 100); do
-        code=$(curl -s -o /dev/null -w '%{http_code}' --cacert "$STATE/pki/ca.crt" \
-            "https://$REGISTRY/v2/" || true)
-        [ "$code" = 401 ] && return 0
+        code=$(curl -s -o /dev/null -w '%{http_code}' "http://$UPSTREAM/v2/" || true)
+        [ "$code" = 200 ] && { start_proxy; return 0; }
         sleep 0.1
     done
     tail -5 "$LOGS/registry.log" >&2
-    die "registry did not come up on $REGISTRY"
+    die "registry did not come up on $UPSTREAM"
 }
 
 install_tfimage() {
@@ -528,6 +542,12 @@ tfimage_registry_credentials:
   "$REGISTRY":
     username: "$ROBOT"
     password: "$(cat "$STATE/pki/robot.password")"
+  "$REGISTRY/$TEAM":
+    username: "$TEAM_ROBOT"
+    password: "$(cat "$STATE/pki/team-a.password")"
+# team-a's project is team-a's: only Unix group team-a runs it (TEST_USER is in it,
+# TEST_USER2 is not).
+tfimage_access: {"$TEAM/*": ["@$TEAM"]}
 tfimage_runtime: charliecloud
 tfimage_cache_dir: /var/cache/tfimage
 tfimage_state_dir: /run/tfimage
@@ -678,6 +698,7 @@ push_images() {
     bash "$REPO/deploy/local/images/build.sh" "$out"
     export TFIMAGE_CONFIG=$ETC/tfimage/config.yaml
     "$PREFIX/bin/tfimage" push "$out/tiny.sif" "tiny:1.0" >/dev/null
+    "$PREFIX/bin/tfimage" push "$out/team-a-tiny.sif" "$TEAM/tiny:1.0" >/dev/null
     "$PREFIX/bin/tfimage" push "$out/tf-custom.sif" "tf-custom:2.0" >/dev/null
 }
 
@@ -688,6 +709,7 @@ export SLURM_CONF=$ETC/slurm.conf
 export TFIMAGE_CONFIG=$ETC/tfimage/config.yaml
 export TFIMAGE_REGISTRY=$REGISTRY
 export TFIMAGE_TEST_USER=$TEST_USER
+export TFIMAGE_TEST_USER2=$TEST_USER2
 export TFIMAGE_LOCAL_STATE=$STATE
 export TFIMAGE_CA=$ETC/tfimage/ca.pem
 export PATH=$PREFIX/bin:\$PATH
@@ -730,7 +752,7 @@ up() {
 status() {
     local was
     mapfile -t was < <(up_nodes)
-    for f in munged registry slurmctld daemon-login "${was[@]/#/slurmd-}"; do
+    for f in munged registry proxy slurmctld daemon-login "${was[@]/#/slurmd-}"; do
         if alive "$RUN/$f.pid"; then echo "$f: running"; else echo "$f: stopped"; fi
     done
 }

@@ -33,12 +33,16 @@ def _node_cache(cluster: Cluster, node: str) -> Path:
 
 @contextlib.contextmanager
 def registry_stopped(cluster: Cluster) -> Iterator[None]:
-    """The cluster's registry frozen (SIGSTOP): it accepts connections, answers none."""
+    """The cluster's registry frozen (SIGSTOP), and its front, the project proxy
+    (nginx, its own process group): it accepts connections, answers none."""
     pid = int((cluster.state / "run" / "registry.pid").read_text())
+    proxy = os.getpgid(int((cluster.state / "run" / "proxy.pid").read_text()))
     os.kill(pid, signal.SIGSTOP)
+    os.killpg(proxy, signal.SIGSTOP)
     try:
         yield
     finally:
+        os.killpg(proxy, signal.SIGCONT)
         os.kill(pid, signal.SIGCONT)
 
 

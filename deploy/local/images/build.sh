@@ -2,6 +2,7 @@
 # Build the local test images as real SIF files and cache them on disk, keyed by
 # their recipe, so a second build takes seconds.  Usage: build.sh OUTDIR
 #   OUTDIR/tiny.sif       busybox-static only
+#   OUTDIR/team-a-tiny.sif  the same, marked as team-a's private team-a/tiny:1.0
 #   OUTDIR/tf-custom.sif  debootstrap minbase + python3 + tensorflow-cpu + tf_keras
 set -euo pipefail
 
@@ -54,12 +55,12 @@ make_sif() { # ROOTFS SIF COMP
     rm -rf "$tmp"
 }
 
-build_tiny() {
-    local key sif
-    key=$(key_of tiny "$(dpkg-query -W -f '${Version}' busybox-static)")
-    sif="$CACHE/tiny-$key.sif"
+build_tiny() { # [FILE-NAME MARKER]
+    local name=${1:-tiny} marker=${2:-tiny:1.0} key sif
+    key=$(key_of "$name" "$marker" "$(dpkg-query -W -f '${Version}' busybox-static)")
+    sif="$CACHE/$name-$key.sif"
     if [ ! -s "$sif" ]; then
-        log "building tiny:1.0 ($key)"
+        log "building $marker ($key)"
         local r
         r=$(mktemp -d "$CACHE/tiny-root.XXXXXX")
         WORK=$r
@@ -68,13 +69,13 @@ build_tiny() {
         for app in $("$r/bin/busybox" --list); do
             [ -e "$r/bin/$app" ] || ln -s busybox "$r/bin/$app"
         done
-        finish_rootfs "$r" "tiny:1.0"
+        finish_rootfs "$r" "$marker"
         make_sif "$r" "$sif" lz4
         rm -rf "$r"
         WORK=""
     fi
-    publish "$sif" "$OUT/tiny.sif"
-    log "tiny:1.0 -> $OUT/tiny.sif"
+    publish "$sif" "$OUT/$name.sif"
+    log "$marker -> $OUT/$name.sif"
 }
 
 build_tf() {
@@ -128,6 +129,6 @@ build_tf() {
 case "${2:-all}" in
     tiny) build_tiny ;;
     tf) build_tf ;;
-    all) build_tiny; build_tf ;;
+    all) build_tiny; build_tiny team-a-tiny team-a/tiny:1.0; build_tf ;;
     *) echo "build.sh: unknown image '$2'" >&2; exit 2 ;;
 esac

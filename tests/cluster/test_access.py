@@ -1,0 +1,165 @@
+"""Who may run what, on the local cluster: team-a's private ``team-a/tiny:1.0``
+(only a team-a robot reads it at the registry; ``access:`` gives it to Unix group
+team-a) runs for TFIMAGE_TEST_USER, who is in team-a, and is refused to
+TFIMAGE_TEST_USER2, who is not, on every path a user has: at submit, in the prolog
+of a job pinned before access changed, on a cache hit, through a digest swap,
+from a ``--tf-batch=host`` script's srun, and in ``tfimage cache ls``.  A site
+without ``access:`` behaves as before."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pwd
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import Cluster
+
+pytestmark = pytest.mark.cluster
+
+PRIVATE = "team-a/tiny:1.0"
+MARKER = "team-a/tiny:1.0"  # /etc/tfimage-test-image in it (images/build.sh)
+
+
+@pytest.fixture
+def other(cluster: Cluster) -> Cluster:
+    """The cluster as TFIMAGE_TEST_USER2, not in group team-a."""
+    return dataclasses.replace(cluster, user=cluster.env["TFIMAGE_TEST_USER2"])
+
+
+@pytest.fixture
+def otherdir(other: Cluster) -> Iterator[Path]:
+    pw = pwd.getpwnam(other.user)
+    d = Path(pw.pw_dir) / "tfimage-tests" / uuid.uuid4().hex[:10]
+    d.mkdir(parents=True)
+    os.chown(d.parent, pw.pw_uid, pw.pw_gid)
+    os.chown(d, pw.pw_uid, pw.pw_gid)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _digest(cluster: Cluster) -> str:
+    ref = cluster.run(["tfimage", "resolve", PRIVATE], as_root=True).stdout.strip()
+    assert "@sha256:" in ref, ref
+    return ref.rpartition("@")[2]
+
+
+def _srun(c: Cluster, d: Path, image: str, *extra: str) -> tuple[int, str, str]:
+    r = c.run(["srun", "-N1", *extra, f"--tf-image={image}", "cat", "/etc/tfimage-test-image"],
+              cwd=d)  # fmt: skip
+    return r.returncode, r.stdout.strip(), r.stderr
+
+
+def _tf_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "tfimage:" in line]
+
+
+def test_at_submit_the_other_team_hears_what_a_missing_repository_says_and_nothing_queues(
+    cluster: Cluster, other: Cluster, workdir: Path, otherdir: Path
+) -> None:
+    assert _srun(cluster, workdir, PRIVATE)[:2] == (0, MARKER)
+    before = cluster.job_ids()
+    rc, out, err = _srun(other, otherdir, PRIVATE)
+    assert rc != 0 and out == ""
+    registry = cluster.env["TFIMAGE_REGISTRY"]
+    refused = _tf_lines(err)
+    assert refused == [
+        f"srun: error: tfimage: submit: {registry}/team-a/tiny: no such repository, or not"
+        " readable with the credentials used"
+    ], err
+    missing = _tf_lines(_srun(other, otherdir, "team-a/nothing:1.0")[2])
+    assert missing == [line.replace("team-a/tiny", "team-a/nothing") for line in refused]
+    assert cluster.job_ids() == before  # nothing was queued
+
+
+def test_a_job_pinned_before_access_changed_is_refused_by_the_prolog_on_a_cache_hit(
+    cluster: Cluster, other: Cluster, workdir: Path, otherdir: Path
+) -> None:
+    # n1 holds the image: the permitted user's job just ran there.
+    assert _srun(cluster, workdir, PRIVATE, "-w", "n1")[:2] == (0, MARKER)
+    script = "#!/bin/sh\ncat /etc/tfimage-test-image\n"
+    (otherdir / "job.sh").write_text(script)
+    pw = pwd.getpwnam(other.user)
+    os.chown(otherdir / "job.sh", pw.pw_uid, pw.pw_gid)
+    wider = {"team-a/*": ["@team-a", other.user]}
+    with cluster.config_with(access=wider):
+        r = other.run(["sbatch", "--parsable", "--hold", "-w", "n1", f"--tf-image={PRIVATE}",
+                       "-o", "out.txt", "job.sh"], cwd=otherdir)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        job = r.stdout.strip().split(";")[0]
+    # Access is back to team-a only when the job starts.
+    cluster.run(["scontrol", "release", job], as_root=True)
+    for _ in range(300):
+        state = cluster.run(["squeue", "-h", "-j", job, "-o", "%T"], as_root=True).stdout
+        if not state.strip():
+            break
+        time.sleep(0.2)
+    out = (otherdir / "out.txt").read_text()
+    assert MARKER not in out.splitlines()  # the image never ran
+    assert f"team-a/tiny: {other.user} may not run it: access rule team-a/* (for @team-a)" in (
+        out
+    ), out
+    cluster.assert_never_drained("n1")
+
+
+def test_a_private_digest_named_in_an_open_repository_is_refused_on_the_node(
+    cluster: Cluster, other: Cluster, workdir: Path, otherdir: Path
+) -> None:
+    digest = _digest(cluster)
+    assert _srun(cluster, workdir, PRIVATE, "-w", "n2")[:2] == (0, MARKER)
+    rc, out, err = _srun(other, otherdir, f"tiny@{digest}", "-w", "n2")
+    assert rc != 0 and MARKER not in out
+    assert (
+        f"library/tiny@{digest}: the registry does not hold that digest in library/tiny,"
+        " and the bytes on this node came from a repository this user may not run"
+    ) in err, err
+    cluster.assert_never_drained("n2")
+
+
+def test_a_host_batch_scripts_srun_is_refused_for_the_other_team_only(
+    cluster: Cluster, other: Cluster, workdir: Path, otherdir: Path
+) -> None:
+    script = (
+        "#!/bin/sh\n"
+        "#SBATCH --tf-image=tiny:1.0\n"
+        "#SBATCH --tf-batch=host\n#SBATCH -o out.txt\n"
+        f"srun --tf-image={PRIVATE} cat /etc/tfimage-test-image\n"
+        'echo "srun=$?"\n'
+    )
+    _, out = cluster.sbatch(workdir, "host.sh", script, "out.txt")
+    assert MARKER in out and "srun=0" in out, out
+    _, out2 = other.sbatch(otherdir, "host.sh", script, "out.txt")
+    assert MARKER not in out2 and "srun=0" not in out2, out2
+    assert "team-a/tiny: no such repository, or not readable with the credentials used" in (out2), (
+        out2
+    )
+
+
+def test_cache_ls_on_a_node_lists_the_private_image_only_for_its_team(
+    cluster: Cluster, other: Cluster, workdir: Path
+) -> None:
+    assert _srun(cluster, workdir, PRIVATE, "-w", "n1")[:2] == (0, MARKER)
+    cfg = cluster.env["TFIMAGE_CONFIG"]
+
+    def listed(user: str) -> str:
+        r = cluster.on_node("n1", ["setpriv", f"--reuid={user}", f"--regid={user}",
+                                   "--init-groups", "/opt/tfimage/bin/tfimage", "--config",
+                                   cfg, "cache", "ls"])  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert "team-a/tiny:1.0" in listed(cluster.user)
+    assert "team-a/tiny" not in listed(other.user)
+    assert "tiny:1.0" in listed(other.user)
+
+
+def test_a_site_without_access_rules_runs_any_image_for_anyone(
+    cluster: Cluster, other: Cluster, otherdir: Path
+) -> None:
+    with cluster.config_with(access={}):
+        assert _srun(other, otherdir, PRIVATE)[:2] == (0, MARKER)
