@@ -22,9 +22,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tfimage.agent.core import layout
+from tfimage.agent.core.access import readers
 from tfimage.agent.core.config import Config
 from tfimage.agent.core.errors import CacheError
-from tfimage.agent.core.fsutil import fsync_dir, held, write_json
+from tfimage.agent.core.fsutil import Readers, fsync_dir, held, write_json
+from tfimage.agent.core.posixacl import XATTR, restrict
 from tfimage.agent.core.reference import Reference
 
 CHUNK = 1 << 20
@@ -161,6 +163,8 @@ class ImageCache:
         self.write_entry(entry, durable=True)
         try:
             os.chmod(tmp, 0o444)
+            if (who := self.readers(entry.origin)) is not None:
+                restrict(str(tmp), *who)
             os.rename(tmp, self.path_of(digest))
             fsync_dir(layout.cache_images(self.root))
         except OSError as e:
@@ -171,6 +175,7 @@ class ImageCache:
         """Note a use of a cached entry: the ref, last_used, the job now holding it."""
 
         def change(entry: Entry) -> Entry:
+            self.protect(digest, entry.origin)
             return replace(
                 entry.used_by(ref, job),
                 last_used=time.time(),
@@ -178,6 +183,18 @@ class ImageCache:
             )
 
         self.update_entry(digest, change)
+
+    def protect(self, digest: str, origin: str | None) -> None:
+        """The cached image readable as the access rules now say: by its rule's users
+        and groups only (posixacl.py), or by everyone where no rule matches; so an
+        image cached before a rule came (or went) follows it at its next use."""
+        path = str(self.path_of(digest))
+        if (who := self.readers(origin)) is not None:
+            restrict(path, *who)
+        else:
+            with contextlib.suppress(OSError):  # no ACL to remove on this filesystem
+                os.removexattr(path, XATTR)
+            os.chmod(path, 0o444)
 
     def read_entry(self, digest: str) -> Entry:
         """The metadata of ``digest``; empty where there is none (yet) or it
@@ -193,17 +210,38 @@ class ImageCache:
         with self.lock(digest):
             self.write_entry(change(self.read_entry(digest)))
 
+    def readers(self, origin: str | None) -> Readers | None:
+        """Who but root may read the files of an image pulled as ``origin``
+        (``host/repository``): the access rule's users and groups where one
+        matches (core/access.py); None (everyone) where none does."""
+        if not self.cfg.access or not origin:
+            return None
+        return readers(self.cfg.access, origin.partition("/")[2])
+
     def write_entry(self, entry: Entry, *, durable: bool = False) -> None:
-        """Replace the metadata of ``entry.digest``; the caller holds its lock."""
+        """Replace the metadata of ``entry.digest``; the caller holds its lock.  A
+        private image's metadata (its tags) is as private as the image."""
         self.write_json(
-            self.entry_path(entry.digest), entry.to_json(), what=entry.digest[:19], durable=durable
+            self.entry_path(entry.digest),
+            entry.to_json(),
+            what=entry.digest[:19],
+            durable=durable,
+            readers=self.readers(entry.origin),
         )
 
-    def write_json(self, path: Path, data: object, *, what: str, durable: bool = False) -> None:
+    def write_json(
+        self,
+        path: Path,
+        data: object,
+        *,
+        what: str,
+        durable: bool = False,
+        readers: Readers | None = None,
+    ) -> None:
         """Replace ``path`` with ``data`` as JSON, atomically (fsutil.py); the caller
         holds the lock that guards it."""
         try:
-            write_json(path, data, durable=durable)
+            write_json(path, data, durable=durable, readers=readers)
         except OSError as e:
             raise CacheError(f"{self.root}: cannot record {what}: {e}") from None
 

@@ -18,6 +18,7 @@ user name and its groups read from this node's passwd and group databases
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -129,3 +130,23 @@ def check(rules: tuple[Rule, ...], repository: str, uid: int) -> None:
     rule = rule_against(rules, repository, who)
     if rule is not None:
         raise AccessDenied(f"{repository}: {who.user} may not run it: access rule {rule}")
+
+
+def readers(rules: tuple[Rule, ...], repository: str) -> tuple[list[int], list[int]] | None:
+    """The uids and gids the first rule matching ``repository`` names, as this
+    node knows them (names it does not know are left out), for the ACL that keeps
+    a private image's files to them; None where no rule matches (open to all)."""
+    import grp
+    import pwd
+
+    rule = next((r for r in rules if r.matches(repository)), None)
+    if rule is None:
+        return None
+    uids, gids = [], []
+    for name in sorted(rule.users):
+        with contextlib.suppress(KeyError):
+            uids.append(pwd.getpwnam(name).pw_uid)
+    for name in sorted(rule.groups):
+        with contextlib.suppress(KeyError):
+            gids.append(grp.getgrnam(name).gr_gid)
+    return uids, gids

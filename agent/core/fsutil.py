@@ -20,6 +20,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from tfimage.agent.core.posixacl import restrict
+
 
 @contextlib.contextmanager
 def held(path: Path, *, blocking: bool = True) -> Iterator[int]:
@@ -34,19 +36,41 @@ def held(path: Path, *, blocking: bool = True) -> Iterator[int]:
         os.close(fd)
 
 
-def write_json(path: Path, data: object, *, mode: int = 0o644, durable: bool = False) -> None:
+Readers = tuple[list[int], list[int]]
+
+
+def write_json(
+    path: Path,
+    data: object,
+    *,
+    mode: int = 0o644,
+    durable: bool = False,
+    readers: Readers | None = None,
+) -> None:
     """Replace ``path`` with ``data`` as JSON, atomically (see :func:`write_atomic`)."""
-    write_atomic(path, json.dumps(data, sort_keys=True).encode(), mode=mode, durable=durable)
+    text = json.dumps(data, sort_keys=True).encode()
+    write_atomic(path, text, mode=mode, durable=durable, readers=readers)
 
 
-def write_atomic(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = False) -> None:
+def write_atomic(
+    path: Path,
+    data: bytes,
+    *,
+    mode: int = 0o644,
+    durable: bool = False,
+    readers: Readers | None = None,
+) -> None:
     """Replace ``path`` with ``data`` atomically (a temporary file in the same
     directory, renamed over it); ``durable``: fsynced (file and directory) before it
-    counts.  Raises OSError; leaves no temporary file."""
+    counts; ``readers``: (uids, gids) the only users but root who may read it
+    (posixacl.py), set before it has its name.  Raises OSError; leaves no
+    temporary file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         try:
             os.fchmod(fd, mode)
+            if readers is not None:
+                restrict(fd, *readers)
             rest = memoryview(data)
             while rest:  # a short write (a full disk) is finished or raises
                 rest = rest[os.write(fd, rest) :]

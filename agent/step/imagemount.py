@@ -5,11 +5,14 @@ the SIF's squashfs partition (ro,nosuid,nodev), one mount per image on the node,
 shared by every job using it, by the first driver of the config's image_mount that
 works here: the kernel's squashfs on a loop device (freed with the mount),
 squashfuse_ll or squashfuse; ``jobs/<job>/img-<hex12>/``, the same private to one
-job: only when a step must mount by itself from inside a job's cgroup, where a FUSE
+job: when a step must mount by itself from inside a job's cgroup, where a FUSE
 process would die with the job or step (Slurm kills what is left in it) and take
-another job's image with it; and per step, ``skel/`` (empty directories to bind host
-paths onto, 0755; empty files for a GPU step's driver, 0644; the batch step's
-stand-ins for Slurm's commands, 0755, slurmstubs.py) and ``root/``, the overlay of
+another job's image with it, and for a private image (an ``access:`` rule matches
+where its bytes came from), whose job directory only root and the job's user may
+traverse (0700 and a POSIX ACL: core/posixacl.py); and per step, ``skel/``
+(empty directories to bind host paths onto, 0755; empty files for a GPU step's
+driver, 0644; the batch step's stand-ins for Slurm's commands, 0755,
+slurmstubs.py) and ``root/``, the overlay of
 skel over the image (ro,nosuid,nodev) that ch-run runs.
 
 A shared mount is counted by the image's holders in the cache (store.py): the
@@ -21,8 +24,9 @@ mount per image means one page cache and one FUSE process per image on the node:
 the tenth job on the node mounts nothing.
 
 ``images/``, ``jobs/``, ``jobs/<jobid>/`` and ``step-<stepid>/`` are 0711: the job's user must
-traverse them to reach the container root, but nobody lists them.  What lies there
-is the image (every cached image is readable by every local user, see cache/store.py) and
+traverse them to reach the container root, but nobody lists them (a private image's
+``jobs/<jobid>/`` is its user's alone, and no chmod here opens it again).  What lies
+there is the image (an open one is readable by every local user, see cache/store.py) and
 empty directories; no user data is ever mounted in the host's namespace (binds are
 made by the runtime, inside its own).  Every mount is ``nosuid,nodev``: a setuid
 file or a device node a user put into their own image is never honoured on the host.
@@ -47,6 +51,7 @@ from pathlib import Path
 from tfimage.agent.core import layout, toolrun
 from tfimage.agent.core.errors import RuntimeSetupError
 from tfimage.agent.core.fsutil import held
+from tfimage.agent.core.posixacl import XATTR, restrict
 from tfimage.agent.core.sif import root_partition
 from tfimage.agent.step.squashcomp import Readers, compression
 
@@ -118,10 +123,20 @@ def _mkdirs(state_dir: Path, path: Path, mode: int = 0o755) -> None:
             nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             os.close(fd)
             fd = nfd
-            if created or mode == TRAVERSE_ONLY:
+            if created or (mode == TRAVERSE_ONLY and not _restricted(fd)):
                 os.fchmod(fd, mode)
     finally:
         os.close(fd)
+
+
+def _restricted(fd: int) -> bool:
+    """A directory given an access ACL on purpose (a private image's job directory,
+    kept to its user): a chmod would open it again, so it is left as it is."""
+    try:
+        os.getxattr(fd, XATTR)
+    except OSError:
+        return False
+    return True
 
 
 # A Slurm job's cgroup, v1 (/slurm/uid_1/job_2/step_0) or v2
@@ -161,27 +176,35 @@ def mount_image(
     digest: str,
     drivers: Sequence[str] = ("squashfuse",),
     readers: Readers | None = None,
+    private_to: int | None = None,
 ) -> Path:
     """The SIF's root partition mounted (idempotent), shared by every job on the node
     (see above), with the first of ``drivers`` that works here; each that does not
     (or that ``readers``, by default this node's, says cannot read the image's
     compression) is logged and skipped.  The caller has made ``job_id`` a holder of
-    the image."""
-    shared = shared_dir(state_dir, digest)
-    _mkdirs(Path(state_dir), shared.parent, TRAVERSE_ONLY)
-    with held(Path(f"{shared}.lock")):
-        if mounted(shared) and _alive(shared):
-            return shared
-        if not in_job_cgroup():
-            _unmount(shared)  # a dead FUSE mount: its process was killed
-            return _mount(state_dir, shared, sif, drivers, readers)
-    # Inside a job's cgroup: a mount of its own, which goes when the job does.
+    the image.
+
+    ``private_to``: the image is private (an access rule matches it) and this uid's
+    job may run it: mounted in the job's own directory instead, which only root and
+    that uid may traverse (posixacl.py), so no other user of the node reaches it."""
+    if private_to is None:
+        shared = shared_dir(state_dir, digest)
+        _mkdirs(Path(state_dir), shared.parent, TRAVERSE_ONLY)
+        with held(Path(f"{shared}.lock")):
+            if mounted(shared) and _alive(shared):
+                return shared
+            if not in_job_cgroup():
+                _unmount(shared)  # a dead FUSE mount: its process was killed
+                return _mount(state_dir, shared, sif, drivers, readers)
+    # Inside a job's cgroup, or private: a mount of its own, which goes with the job.
     private = _path(lambda: layout.job_image_mount(state_dir, job_id, digest))
     with job_lock(state_dir, job_id):
         if mounted(private) and _alive(private):
             return private
         _unmount(private)
         _mkdirs(Path(state_dir), private.parent, TRAVERSE_ONLY)
+        if private_to is not None:
+            restrict(str(job_dir(state_dir, job_id)), [private_to], [], directory=True)
         return _mount(state_dir, private, sif, drivers, readers)
 
 

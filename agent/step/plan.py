@@ -120,12 +120,14 @@ def _ready(
         if not runtime.needs_mount:
             return cached, None
         assert cached.ref.digest
+        origin = cache.read_entry(cached.ref.digest).origin
         image_dir = imagemount.mount_image(
             cfg.state_dir,
             job_id,
             cached.path,
             cached.ref.digest,
-            cfg.mount_drivers(cache.read_entry(cached.ref.digest).origin),
+            cfg.mount_drivers(origin),
+            private_to=uid if cache.readers(origin) is not None else None,
         )
         return cached, image_dir
     except Exception as e:

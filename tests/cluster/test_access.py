@@ -163,3 +163,37 @@ def test_a_site_without_access_rules_runs_any_image_for_anyone(
 ) -> None:
     with cluster.config_with(access={}):
         assert _srun(other, otherdir, PRIVATE)[:2] == (0, MARKER)
+
+
+def test_the_other_team_cannot_read_the_cached_file_or_the_running_jobs_mount(
+    cluster: Cluster, other: Cluster, workdir: Path
+) -> None:
+    digest = _digest(cluster)
+    key = digest.replace(":", "-")
+
+    def reads(user: str, path: str) -> bool:
+        r = cluster.on_node("n1", ["setpriv", f"--reuid={user}", f"--regid={user}",
+                                   "--init-groups", "head", "-c", "4", path])  # fmt: skip
+        return r.returncode == 0
+
+    p = cluster.start(["srun", "-N1", "-w", "n1", f"--tf-image={PRIVATE}", "sleep", "60"],
+                      workdir)  # fmt: skip
+    try:
+        mounts: list[str] = []
+        for _ in range(300):
+            mounts = [m for m in cluster.node_mounts("n1")
+                      if m.startswith("/run/tfimage/jobs/") and key[7:19] in m]  # fmt: skip
+            if mounts:
+                break
+            time.sleep(0.1)
+        assert mounts, "the job's private image mount never appeared"
+        marker = f"{mounts[0]}/etc/tfimage-test-image"
+        assert reads(cluster.user, marker) and not reads(other.user, marker)
+        cached = f"/var/cache/tfimage/images/{key}.sif"
+        assert reads(cluster.user, cached) and not reads(other.user, cached)
+        assert not reads(other.user, f"/var/cache/tfimage/images/{key}.json")
+        # No shared mount of it exists for anyone to find.
+        assert f"/run/tfimage/images/{key}" not in cluster.node_mounts("n1")
+    finally:
+        cluster.run(["scancel", "-u", cluster.user, "-n", "sleep"], as_root=True)
+        p.communicate(timeout=120)

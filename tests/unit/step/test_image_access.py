@@ -5,6 +5,7 @@ run ``team-a/*``, ``daemon`` (not in it) may not."""
 
 from __future__ import annotations
 
+import dataclasses
 import grp
 import json
 import pwd
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from support import Registry
+from tfimage.agent.cache.pull import Puller
 from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.core import layout
 from tfimage.agent.core.access import identity
@@ -175,3 +177,53 @@ def test_cache_ls_shows_a_user_only_what_they_may_run_and_root_everything(
     assert _ls_as(NOBODY, cfg_path) == ["library/tiny", "team-a/tiny"]
     assert _ls_as(DAEMON, cfg_path) == ["library/tiny"]
     assert _ls_as(pwd.getpwuid(0), cfg_path) == ["library/tiny", "team-a/tiny"]
+
+
+def _reads_as(user: pwd.struct_passwd, path: Path) -> bool:
+    r = subprocess.run(
+        ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--init-groups",
+         "head", "-c", "4", str(path)],
+        capture_output=True, timeout=60,
+    )  # fmt: skip
+    return r.returncode == 0
+
+
+def test_a_private_images_file_metadata_and_mount_are_closed_to_other_users(
+    site: Site,
+) -> None:
+    cfg, digests = site.cfg, site.digests
+    private = prepare_job(cfg, "1", "team-a/tiny:1.0", uid=NOBODY.pw_uid)
+    public = prepare_job(cfg, "2", "library/tiny:1.0", uid=DAEMON.pw_uid)
+    cache = ImageCache(cfg)
+    entry = cache.entry_path(digests["team-a/tiny"])
+    assert _reads_as(NOBODY, private.path) and _reads_as(NOBODY, entry)
+    assert not _reads_as(DAEMON, private.path) and not _reads_as(DAEMON, entry)
+    assert _reads_as(DAEMON, public.path) and _reads_as(NOBODY, public.path)
+    # The mount is the job's own, in a directory only its user traverses; the
+    # shared one is never made for a private image.
+    digest = digests["team-a/tiny"]
+    mount = layout.job_image_mount(cfg.state_dir, "1", digest)
+    assert imagemount.mounted(mount)
+    assert not imagemount.mounted(imagemount.shared_dir(cfg.state_dir, digest))
+    marker = mount / "etc/tfimage-test-image"
+    assert _reads_as(NOBODY, marker) and not _reads_as(DAEMON, marker)
+    shared_public = imagemount.shared_dir(cfg.state_dir, digests["library/tiny"])
+    assert _reads_as(NOBODY, shared_public / "etc/tfimage-test-image")
+
+
+def test_an_image_cached_before_its_rule_follows_the_rule_at_its_next_use(
+    site: Site, registry: Registry, tmp_path: Path
+) -> None:
+    # Cached by a node with no rules: 0444, as before.
+    (tmp_path / "open").mkdir()
+    open_cfg = load_config(registry.write_site(tmp_path / "open"))
+    open_cfg = dataclasses.replace(open_cfg, cache_dir=site.cfg.cache_dir)
+    got = Puller(ImageCache(open_cfg)).ensure(open_cfg.reference("team-a/tiny:1.0"))
+    assert _reads_as(DAEMON, got.path)
+    # The rule comes; the next use closes it.
+    prepare_job(site.cfg, "3", "team-a/tiny:1.0", uid=NOBODY.pw_uid)
+    assert not _reads_as(DAEMON, got.path) and _reads_as(NOBODY, got.path)
+    # And goes: the next use opens it again.
+    open_node = dataclasses.replace(site.cfg, access=())
+    Puller(ImageCache(open_node)).ensure(open_node.reference("team-a/tiny:1.0"))
+    assert _reads_as(DAEMON, got.path)
