@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from support import Registry, build_sif, need
+from support import TEAM_ROBOT, Registry, build_sif, need
 from tokenauth import ISSUER, SERVICE, TokenService, signing_cert
 
 pytest_plugins = ["skipbudget"]
@@ -209,9 +209,6 @@ def fake_nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from gpus import build_fake_nvml
 
     return build_fake_nvml(tmp_path_factory.mktemp("fakenvml"))
-
-
-TEAM_ROBOT = ("robot$team-a+puller", "team-a-pass")  # team-a's own Harbor robot
 
 
 def _project_proxy() -> Callable[..., str]:

@@ -37,6 +37,9 @@ def build_sif(root: Path, sif: Path, comp: str = "lz4") -> Path:
     return sif
 
 
+TEAM_ROBOT = ("robot$team-a+puller", "team-a-pass")  # team-a's own Harbor robot
+
+
 @dataclass(frozen=True)
 class Registry:
     host: str

@@ -9,9 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import TEAM_ROBOT
 
-from support import Registry
+from support import TEAM_ROBOT, Registry
 from tfimage.agent.cache.pull import Puller
 from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.core.config import load_config
