@@ -65,7 +65,7 @@ def check_config(ctx: Context) -> Iterator[Diagnosis]:
     try:
         ctx.cfg = load_config(ctx.config_path)
     except TfimageError as e:
-        yield Diagnosis("config", "error", str(e), f"fix {ctx.config_path} (see README: config)")
+        yield Diagnosis("config", "error", str(e), f"fix {ctx.config_path} (see docs/config.md)")
         return
     yield Diagnosis("config", "ok", f"{ctx.config_path} is valid (registry {ctx.cfg.registry})")
 
