@@ -95,6 +95,22 @@ def _fail(text: str, why: str) -> ImageReferenceError:
     return ImageReferenceError(f"invalid image reference {shown!r}: {why}")
 
 
+def _habits(text: str) -> None:
+    """What users type from habit elsewhere, answered with what to type here."""
+    shown = text if len(text) <= 80 else text[:77] + "..."
+    if text.startswith(("/", "./", "../", "~")) or text in (".", ".."):
+        raise ImageReferenceError(
+            f"{shown!r} is a file; --tf-image takes an image in the registry: push it"
+            " first (tfimage push FILE NAME:TAG) and name NAME:TAG"
+        )
+    if "#" in text and "://" not in text:
+        host, _, image = text.partition("#")
+        raise ImageReferenceError(
+            f"{shown!r} is enroot's and pyxis's form (registry#image); tfimage's is"
+            f" registry/image: {host}/{image}"
+        )
+
+
 def parse_reference(
     text: str,
     default_registry: str,
@@ -114,6 +130,7 @@ def parse_reference(
         raise _fail(text, f"longer than {MAX_REFERENCE} characters")
     if any(c.isspace() or not c.isprintable() for c in text):
         raise _fail(text, "it contains whitespace or control characters")
+    _habits(text)
 
     rest = text
     transport: str | None = None

@@ -119,6 +119,10 @@ def test_job_without_option_is_untouched(cluster: Cluster, workdir: Path) -> Non
         ("Bad Ref", "whitespace"),
         ("tiny@sha256:xyz", "digest"),
         ("evil.example/x/y:1", "not allowed"),
+        # what users type from habit: a file, pyxis's registry#image
+        ("/home/tfuser/tf.sif", "is a file; --tf-image takes an image in the registry"),
+        ("./tf.sif", r"push it first \(tfimage push FILE NAME:TAG\)"),
+        ("nvcr.io#nvidia/tensorflow:24.01", "tfimage's is registry/image: nvcr.io/nvidia/"),
     ],
 )
 def test_invalid_reference_rejected_before_queueing(

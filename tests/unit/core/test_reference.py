@@ -230,3 +230,26 @@ def test_a_mapped_name_is_the_sites_and_maps_to_itself(
 def test_a_bad_rewrite_is_named(upstream: str, site: str) -> None:
     with pytest.raises(ImageReferenceError, match="rewrite"):
         check_rewrite(upstream, site)
+
+
+@pytest.mark.parametrize("text", ["/home/me/tf.sif", "./tf.sif", "../x/tf.sif", "~/tf.sif"])
+def test_a_file_path_is_answered_with_how_to_push_it(text: str) -> None:
+    with pytest.raises(ImageReferenceError) as e:
+        parse_reference(text, "harbor.example", "library")
+    assert str(e.value) == (
+        f"{text!r} is a file; --tf-image takes an image in the registry: push it first"
+        " (tfimage push FILE NAME:TAG) and name NAME:TAG"
+    )
+
+
+def test_pyxis_registry_hash_image_form_is_answered_with_the_slash_form() -> None:
+    with pytest.raises(ImageReferenceError) as e:
+        parse_reference("nvcr.io#nvidia/tensorflow:24.01-tf2-py3", "harbor.example", "library")
+    assert str(e.value).endswith(
+        "is enroot's and pyxis's form (registry#image); tfimage's is registry/image:"
+        " nvcr.io/nvidia/tensorflow:24.01-tf2-py3"
+    )
+    # and what it suggests parses
+    assert parse_reference("nvcr.io/nvidia/tensorflow:24.01-tf2-py3", "h", "p").registry == (
+        "nvcr.io"
+    )
