@@ -18,12 +18,12 @@ from tfimage.agent.core.errors import DeadlineExceeded
 
 
 @contextlib.contextmanager
-def deadline(seconds: float, what: str) -> Iterator[None]:
-    """Raise :class:`DeadlineExceeded` ("WHAT: gave up after N s") in the block
-    once ``seconds`` have passed.  Main thread only (signals)."""
+def deadline(seconds: float, what: str, setting: str = "hook_deadline") -> Iterator[None]:
+    """Raise :class:`DeadlineExceeded` ("WHAT: gave up after N s (SETTING)") in the
+    block once ``seconds`` have passed.  Main thread only (signals)."""
 
     def expired(signum: int, frame: FrameType | None) -> None:
-        raise DeadlineExceeded(f"{what}: gave up after {seconds:.0f} s (hook_deadline)")
+        raise DeadlineExceeded(f"{what}: gave up after {seconds:.0f} s ({setting})")
 
     old = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, max(0.01, seconds))

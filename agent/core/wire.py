@@ -102,6 +102,13 @@ CONFIG_VAR = "TFIMAGE_CONFIG"
 DEFAULT_CONFIG = "/etc/tfimage/config.yaml"
 DEFAULT_HELPER = "/opt/tfimage/bin/tfimage"
 DEFAULT_SUBMIT_TIMEOUT = 30
+# The submit side's timeouts, derived here and nowhere else: the plugin gives the pin
+# server half of submit_timeout (spank/submit.c) and its own helper what is left.
+# A pin asks the registry for two thirds of that half at most, so that a registry
+# which accepts and never answers (stopped, overloaded) still leaves the pin time
+# to answer with the digest this host last saw, and its warning.
+PIN_SERVER_SHARE = DEFAULT_SUBMIT_TIMEOUT / 2
+PIN_REGISTRY_SECONDS = PIN_SERVER_SHARE * 2 / 3
 DEFAULT_HOOK_DEADLINE = 600  # the config's hook_deadline; prepare_timeout adds HOOK_GRACE
 PLUGSTACK_KEYS = ("helper", "config", "daemon", "pin_socket", "submit_timeout", "prepare_timeout")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from tfimage.agent.core.config import Config
 from tfimage.agent.core.errors import (
     AccessDenied,
+    DeadlineExceeded,
     ImageNotFound,
     ImageReferenceError,
     RegistryError,
@@ -91,6 +93,18 @@ def _refuse_unrunnable(client: RegistryClient, ref: Reference, m: Manifest, arch
         raise VerificationError(f"{ref.unpinned} is {why}")
 
 
+def _bounded() -> contextlib.AbstractContextManager[None]:
+    """The registry's share of a pin (wire.PIN_REGISTRY_SECONDS): past it, a registry
+    that accepted and never answered counts as unreachable.  Signals work only in
+    the main thread; elsewhere (a caller's thread) the client's own timeouts bound it."""
+    if threading.current_thread() is not threading.main_thread():
+        return contextlib.nullcontext()
+    from tfimage.agent.core.deadline import deadline
+    from tfimage.agent.core.wire import PIN_REGISTRY_SECONDS
+
+    return deadline(PIN_REGISTRY_SECONDS, "the registry", "its share of submit_timeout")
+
+
 def pin(
     cfg: Config,
     ref: Reference,
@@ -132,8 +146,9 @@ def pin(
     seen = LastSeen(store or last_seen_file())
     key = str(ref.unpinned)
     try:
-        digest = _first_answer(cfg, ref, client_factory)
-    except RegistryUnreachable as e:
+        with _bounded():
+            digest = _first_answer(cfg, ref, client_factory)
+    except (RegistryUnreachable, DeadlineExceeded) as e:
         known = seen.recall(key, uid)
         if not known:
             raise RegistryError(
