@@ -5,13 +5,15 @@ run ``team-a/*``, ``daemon`` (not in it) may not."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import grp
+import io
 import json
+import os
 import pwd
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ import pytest
 from support import Registry
 from tfimage.agent.cache.pull import Puller
 from tfimage.agent.cache.store import ImageCache
+from tfimage.agent.cli.main import main
 from tfimage.agent.core import layout
 from tfimage.agent.core.access import identity
 from tfimage.agent.core.config import Config, load_config
@@ -158,13 +161,33 @@ def test_at_submit_a_refused_user_hears_what_a_missing_repository_says(
 
 
 def _ls_as(user: pwd.struct_passwd, cfg_path: Path) -> list[str]:
-    out = subprocess.run(
-        ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--init-groups",
-         str(Path(sys.executable).parent / "tfimage"), f"--config={cfg_path}", "cache", "ls",
-         "--json"],
-        capture_output=True, text=True, timeout=60, check=True,
-    ).stdout  # fmt: skip
-    return sorted(e["origin"].partition("/")[2] for e in json.loads(out))
+    """``tfimage cache ls --json`` run as ``user``: the CLI's own main, in a child
+    that has become the user (uid, gid and groups), the modules it needs loaded by
+    root first (the checkout may lie where the user cannot read, as /root)."""
+    argv = ["--config", str(cfg_path), "cache", "ls", "--json"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(argv) == 0
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 99
+        try:
+            os.close(r)
+            os.setgroups(os.getgrouplist(user.pw_name, user.pw_gid))
+            os.setgid(user.pw_gid)
+            os.setuid(user.pw_uid)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                code = main(argv)
+            os.write(w, out.getvalue().encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        text = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    return sorted(e["origin"].partition("/")[2] for e in json.loads(text))
 
 
 def test_cache_ls_shows_a_user_only_what_they_may_run_and_root_everything(
