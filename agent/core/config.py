@@ -17,7 +17,7 @@ from typing import Any
 from tfimage.agent.core import wire
 from tfimage.agent.core.access import Rule, access_rules, segment_glob
 from tfimage.agent.core.errors import ConfigError, ImageReferenceError
-from tfimage.agent.core.gpuconfig import GpuPolicy, gpu_policy
+from tfimage.agent.core.gpuconfig import GpuPolicy, gpu_policy, unknown_settings
 from tfimage.agent.core.reference import (
     DOCKER_HUB,
     Reference,
@@ -272,9 +272,8 @@ _PLATFORM = re.compile(r"linux/[a-z0-9]{1,16}\Z")
 def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Config:
     data = dict(data)
     known = {f.name for f in fields(Config)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"{path}: unknown setting(s): {', '.join(unknown)}")
+    if said := unknown_settings(data, known):
+        raise ConfigError(f"{path}: unknown setting(s): {said}")
     values = {k: _coerce(k, v, path) for k, v in data.items()}
     cfg = Config(**values)
     if cfg.runtime not in RUNTIMES:
@@ -377,7 +376,10 @@ def _parse_yaml(p: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(raw)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{p}: not valid YAML: {where}{problem}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

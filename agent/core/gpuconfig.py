@@ -28,6 +28,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,18 @@ class GpuPolicy:
         return self.severity.get(check, CHECKS[check])
 
 
+def unknown_settings(given: Iterable[object], known: set[str]) -> str:
+    """The keys of ``given`` that are not ``known``, each with the known key it most
+    looks like ("runetime (did you mean runtime?)"); "" when there are none."""
+    import difflib
+
+    said = []
+    for key in sorted(str(k) for k in given if k not in known):
+        near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.7)
+        said.append(f"{key} (did you mean {near[0]}?)" if near else key)
+    return ", ".join(said)
+
+
 _BOOLS = {"checks", "all_jobs", "nvccli"}
 # Names and shell globs; no brackets: "gpu[01-04]" reads as a Slurm hostlist, which
 # fnmatch would take for a character class and match nothing the admin meant.
@@ -206,7 +219,6 @@ def gpu_policy(value: Any, path: Path) -> GpuPolicy:
     if not isinstance(value, dict):
         raise ConfigError(f"{path}: 'gpu' must be a mapping of settings")
     known = {f.name for f in fields(GpuPolicy)}
-    unknown = sorted(str(k) for k in value if k not in known)
-    if unknown:
-        raise ConfigError(f"{path}: unknown setting(s) under 'gpu': {', '.join(unknown)}")
+    if said := unknown_settings(value, known):
+        raise ConfigError(f"{path}: unknown setting(s) under 'gpu': {said}")
     return GpuPolicy(**{k: _one(k, v, str(path)) for k, v in value.items()})

@@ -25,7 +25,9 @@ def test_defaults_and_allowlist(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "why"),
     [
-        ("registyr: x\n", "unknown setting"),
+        ("registyr: x\n", r"unknown setting\(s\): registyr \(did you mean registry\?\)"),
+        ("colour: blue\n", r"unknown setting\(s\): colour$"),
+        ("gpu: {chekcs: true}\n", r"under 'gpu': chekcs \(did you mean checks\?\)"),
         ("mirrors: m1\n", "list of strings"),
         ("read_timeout: -1\n", "positive number"),
         ("read_timeout: true\n", "positive number"),
@@ -35,6 +37,7 @@ def test_defaults_and_allowlist(tmp_path: Path) -> None:
         ("pull_stripe_bytes: 1000000\n", "multiple of 4096"),
         ("- a\n- b\n", "mapping"),
         ("a: [\n", "not valid YAML"),
+        ("registry: r\n  mirrors: [x]\n", "not valid YAML: line 2, column 10: mapping values"),
         ("dockerhub_project: Docker Hub\n", "project name"),
         ("registry_rewrites: [nvcr.io]\n", "map upstream prefixes"),
         ("registry_rewrites: {nvcr.io: harbor.site}\n", "host/project"),
