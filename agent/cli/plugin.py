@@ -74,10 +74,11 @@ def cmd_step_prepare(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The two commands, their flags exactly wire.py's."""
+    """The two commands, their flags exactly wire.py's.  Without ``help=`` argparse
+    leaves them out of ``tfimage --help``: they are the plugin's, not a person's
+    (``tfimage submit-check --help`` still explains each)."""
     sc = sub.add_parser(
         wire.SUBMIT_CHECK,
-        help="(the plugin's, at submit) check --tf-image and --tf-mount, print the pin",
         description="What the SPANK plugin runs at submit when no pin server answers: "
         "check the reference and the --tf-mount value, and print the reference pinned "
         "to its digest (with the user's own credentials).",
@@ -90,7 +91,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     sp = sub.add_parser(
         wire.STEP_PREPARE,
-        help="(the plugin's, root) ready the image for a step, print how to run its tasks",
         description="What the SPANK plugin runs as root for each step when no daemon "
         "answers: ready the image and print the runtime's argv and each task's "
         "variables (agent/core/wire.py).",

@@ -76,6 +76,14 @@ def test_help_explains_every_command() -> None:
         ), r.stdout
 
 
+def test_the_plugins_commands_are_left_out_of_help_but_explain_themselves() -> None:
+    top = tfimage("--help").stdout
+    assert "submit-check" not in top and "step-prepare" not in top
+    for cmd in ("submit-check", "step-prepare"):
+        r = tfimage(cmd, "--help")
+        assert r.returncode == 0 and "SPANK plugin" in r.stdout
+
+
 def test_step_prepare_refuses_root_tasks(cfg: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("step-prepare only runs as root; this test is not root")
