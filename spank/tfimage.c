@@ -1,4 +1,5 @@
 /* Dispatch: each SPANK callback to its context's file.  See tfimage.h. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "tfimage.h"
@@ -91,7 +92,23 @@ static int opt_batch(int val, const char *optarg, int remote)
 			    optarg ? optarg : "");
 		return -1;
 	}
+	tfi_state.batch_set = 1;
 	return 0;
+}
+
+/* --tf-mount or --tf-batch given at submit without an image to apply to: said once,
+ * not ignored in silence.  Inside a job (its image inherited) they do apply. */
+static void warn_unused(void)
+{
+	spank_context_t ctx = spank_context();
+
+	if ((ctx != S_CTX_LOCAL && ctx != S_CTX_ALLOCATOR) || getenv(TFI_STEP_IMAGE_VAR))
+		return;
+	if (tfi_state.binds[0] || tfi_state.batch_set)
+		slurm_info("tfimage: %s%s%s: no effect without --tf-image; add --tf-image=NAME:TAG",
+			   tfi_state.binds[0] ? "--tf-mount" : "",
+			   tfi_state.binds[0] && tfi_state.batch_set ? " and " : "",
+			   tfi_state.batch_set ? "--tf-batch" : "");
 }
 
 int slurm_spank_init(spank_t sp, int ac, char **av)
@@ -117,8 +134,10 @@ int slurm_spank_init_post_opt(spank_t sp, int ac, char **av)
 {
 	(void)ac;
 	(void)av;
-	if (!tfi_state.image_set)
+	if (!tfi_state.image_set) {
+		warn_unused();
 		return 0; /* a job without --tf-image sees no change at all */
+	}
 	switch (spank_context()) {
 	case S_CTX_LOCAL:
 	case S_CTX_ALLOCATOR:

@@ -39,6 +39,7 @@ struct tfi_state {
 	char image[TFI_MAX_REF + 1];
 	char binds[TFI_MAX_PATH];   /* --tf-mount (binds), checked by the helper */
 	enum tfi_batch batch;
+	int batch_set;              /* --tf-batch was given */
 	/* node side: the helper's answer, NUL-separated tokens (see node.c) */
 	char *prefix_buf;
 	char *prefix[TFI_MAX_ARGS + 1];

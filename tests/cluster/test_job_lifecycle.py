@@ -235,3 +235,17 @@ def test_chdir_elsewhere_than_pwd_is_honoured(cluster: Cluster, workdir: Path) -
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(sub), "tiny:1.0"]
+
+
+def test_tf_mount_or_tf_batch_without_an_image_is_said_once_not_ignored(
+    cluster: Cluster, workdir: Path
+) -> None:
+    r = cluster.run(["srun", "-N1", "--tf-mount=/home:/mnt", "--tf-batch=host", "true"],
+                    cwd=workdir)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stderr.splitlines() if "tfimage:" in line]
+    assert len(said) == 1 and said[0].endswith(
+        "tfimage: --tf-mount and --tf-batch: no effect without --tf-image; add --tf-image=NAME:TAG"
+    ), r.stderr
+    plain = cluster.run(["srun", "-N1", "true"], cwd=workdir)
+    assert plain.returncode == 0 and "tfimage" not in plain.stderr, plain.stderr
