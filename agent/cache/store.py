@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tfimage.agent.core import layout
-from tfimage.agent.core.access import readers
+from tfimage.agent.core.access import first_rule, readers
 from tfimage.agent.core.config import Config
 from tfimage.agent.core.errors import CacheError
 from tfimage.agent.core.fsutil import Readers, fsync_dir, held, write_json
@@ -209,6 +209,13 @@ class ImageCache:
         """Read, change and atomically replace an entry's metadata, under its lock."""
         with self.lock(digest):
             self.write_entry(change(self.read_entry(digest)))
+
+    def private(self, origin: str | None) -> bool:
+        """Whether an access rule matches the repository of ``origin``
+        (``host/repository``): a glob test, no user or group lookup."""
+        if not self.cfg.access or not origin:
+            return False
+        return first_rule(self.cfg.access, origin.partition("/")[2]) is not None
 
     def readers(self, origin: str | None) -> Readers | None:
         """Who but root may read the files of an image pulled as ``origin``

@@ -114,6 +114,11 @@ def identity(uid: int) -> Identity:
     return Identity(uid, pw.pw_name, frozenset(names))
 
 
+def first_rule(rules: tuple[Rule, ...], repository: str) -> Rule | None:
+    """The first rule matching ``repository``; None where it is open to all."""
+    return next((r for r in rules if r.matches(repository)), None)
+
+
 def rule_against(rules: tuple[Rule, ...], repository: str, who: Identity) -> Rule | None:
     """The first rule matching ``repository`` that does not admit ``who``, or None:
     they may run it (root always may)."""
@@ -124,7 +129,7 @@ def rule_against(rules: tuple[Rule, ...], repository: str, who: Identity) -> Rul
 
 def check(rules: tuple[Rule, ...], repository: str, uid: int) -> None:
     """AccessDenied, naming the rule, unless ``uid`` may run images of ``repository``."""
-    if not rules or uid == 0 or not any(r.matches(repository) for r in rules):
+    if uid == 0 or first_rule(rules, repository) is None:
         return
     who = identity(uid)
     rule = rule_against(rules, repository, who)
@@ -139,7 +144,7 @@ def readers(rules: tuple[Rule, ...], repository: str) -> tuple[list[int], list[i
     import grp
     import pwd
 
-    rule = next((r for r in rules if r.matches(repository)), None)
+    rule = first_rule(rules, repository)
     if rule is None:
         return None
     uids, gids = [], []

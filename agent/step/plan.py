@@ -111,23 +111,24 @@ def _ready(
         imageaccess.check_named(cfg, ref, uid)
         cache = cache or ImageCache(cfg)
         cached = Puller(cache).ensure(ref, job=job_id)
-        if cfg.access and cached.ref.digest:
-            origin = cache.read_entry(cached.ref.digest).origin
+        assert cached.ref.digest
+        # Where the cached bytes came from: read once, for access and mount trust.
+        needed = cfg.access or runtime.needs_mount
+        origin = cache.read_entry(cached.ref.digest).origin if needed else None
+        if cfg.access:
             confirm = imageaccess.registry_confirms(cfg)
             imageaccess.check_origin(cfg, ref, cached.ref.digest, origin, uid, confirm)
         if not known:
             images.set_pinned(key, str(cached.ref))
         if not runtime.needs_mount:
             return cached, None
-        assert cached.ref.digest
-        origin = cache.read_entry(cached.ref.digest).origin
         image_dir = imagemount.mount_image(
             cfg.state_dir,
             job_id,
             cached.path,
             cached.ref.digest,
             cfg.mount_drivers(origin),
-            private_to=uid if cache.readers(origin) is not None else None,
+            private_to=uid if cache.private(origin) else None,
         )
         return cached, image_dir
     except Exception as e:
