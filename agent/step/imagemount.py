@@ -53,7 +53,7 @@ from tfimage.agent.core.errors import RuntimeSetupError
 from tfimage.agent.core.fsutil import held
 from tfimage.agent.core.posixacl import XATTR, restrict
 from tfimage.agent.core.sif import root_partition
-from tfimage.agent.step.squashcomp import Readers, compression
+from tfimage.agent.step.squashcomp import Readers, compression, fuse_tool
 
 MOUNT_TIMEOUT = 30.0
 # Every mount tfimage makes: read-only, and never a setuid file or device from an image.
@@ -272,7 +272,7 @@ def _mount_argv(driver: str, sif: Path, offset: int, target: Path) -> list[str]:
         options = f"{MOUNT_FLAGS},loop,offset={offset}"
         return ["mount", "-t", "squashfs", "-o", options, str(sif), str(target)]
     if driver in ("squashfuse_ll", "squashfuse"):
-        tool = shutil.which(driver, path="/usr/local/bin:/usr/bin:/bin")
+        tool = fuse_tool(driver)
         if not tool:
             raise RuntimeSetupError(f"{driver} is not installed on this node")
         options = f"{MOUNT_FLAGS},offset={offset},allow_other"

@@ -19,7 +19,7 @@ import io
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import BinaryIO
 
 from tfimage.agent.step.elfname import needed
@@ -64,7 +64,8 @@ def linked_reads(libraries: list[str]) -> frozenset[str]:
     return frozenset(reads)
 
 
-def _kernel_config() -> str | None:
+def node_kernel_config() -> str | None:
+    """This node's kernel build config as text, or None where it publishes none."""
     for path in ("/proc/config.gz", f"/boot/config-{os.uname().release}"):
         try:
             with open(path, "rb") as raw:
@@ -78,12 +79,23 @@ def _kernel_config() -> str | None:
     return None
 
 
+def fuse_tool(driver: str) -> str | None:
+    """Where ``driver`` (squashfuse_ll, squashfuse) is installed, on root's fixed path."""
+    return shutil.which(driver, path=TOOL_PATH)
+
+
 @dataclass
 class Readers:
     """What each driver on this node reads.  ``kernel_config`` is the kernel's
-    build config as text; by default this node's (None where it has none to read)."""
+    build config as text; by default this node's, read only when the kernel driver
+    is asked about ("" where the node has none)."""
 
-    kernel_config: str | None = field(default_factory=_kernel_config)
+    kernel_config: str | None = None
+
+    def _kernel(self) -> str:
+        if self.kernel_config is None:
+            self.kernel_config = node_kernel_config() or ""
+        return self.kernel_config
 
     def cannot_read(self, driver: str, comp: str | None) -> str | None:
         """Why ``driver`` cannot read a ``comp`` squashfs here, or None (it can, or
@@ -91,16 +103,15 @@ class Readers:
         if comp is None:
             return None
         if driver == "kernel":
-            if self.kernel_config is None:
-                return None
-            if comp in kernel_reads(self.kernel_config):
+            config = self._kernel()
+            if not config or comp in kernel_reads(config):
                 return None
             option = _KERNEL_OPTION.get(comp)
             if option is None:
                 return f"the kernel's squashfs never read {comp}"
             return f"this kernel was built without CONFIG_SQUASHFS_{option}"
         if driver in FUSE_DRIVERS:
-            tool = shutil.which(driver, path=TOOL_PATH)
+            tool = fuse_tool(driver)
             libraries = needed(os.path.realpath(tool)) if tool else None
             if not libraries or not any(_LIB_STEM.match(lib) for lib in libraries):
                 return None  # not installed (the mount says so), or static: tried
