@@ -123,9 +123,9 @@ class Config:
     def node_platform(self) -> str:
         """``os/architecture`` the nodes run, in the image spec's words."""
         # Imported here: a hook that never resolves a tag does not load sif.py.
-        from tfimage.agent.core.sif import machine_arch
+        from tfimage.agent.core.sif import this_platform
 
-        return self.platform or f"linux/{machine_arch()}"
+        return self.platform or this_platform()
 
     def sources(self, ref: Reference) -> list[str]:
         """Where to fetch ``ref``: its registry, then (for the site's) the mirrors, in order."""

@@ -90,14 +90,17 @@ class Reference:
         return Reference(self.registry, self.repository, self.tag, digest, self.transport)
 
 
+def _shown(text: str) -> str:
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _fail(text: str, why: str) -> ImageReferenceError:
-    shown = text if len(text) <= 80 else text[:77] + "..."
-    return ImageReferenceError(f"invalid image reference {shown!r}: {why}")
+    return ImageReferenceError(f"invalid image reference {_shown(text)!r}: {why}")
 
 
 def _habits(text: str) -> None:
     """What users type from habit elsewhere, answered with what to type here."""
-    shown = text if len(text) <= 80 else text[:77] + "..."
+    shown = _shown(text)
     if text.startswith(("/", "./", "../", "~")) or text in (".", ".."):
         raise ImageReferenceError(
             f"{shown!r} is a file; --tf-image takes an image in the registry: push it"

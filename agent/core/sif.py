@@ -123,6 +123,11 @@ def machine_arch() -> str:
     return _GOARCH.get(machine, machine)
 
 
+def this_platform() -> str:
+    """``os/architecture`` of this machine in the image spec's words: ``linux/amd64``."""
+    return f"linux/{machine_arch()}"
+
+
 def has_magic(head: bytes) -> bool:
     return head[MAGIC_OFFSET : MAGIC_OFFSET + len(MAGIC)] == MAGIC
 

@@ -14,17 +14,12 @@ from typing import TYPE_CHECKING
 
 from tfimage.agent.core.errors import VerificationError
 from tfimage.agent.core.ids import valid_digest
-from tfimage.agent.core.sif import machine_arch
+from tfimage.agent.core.sif import this_platform
 from tfimage.agent.registry.mediatypes import INDEX_TYPES
 
 if TYPE_CHECKING:
     from tfimage.agent.core.reference import Reference
     from tfimage.agent.registry.client import Manifest, RegistryClient
-
-
-def this_platform() -> str:
-    """``os/architecture`` of this machine in the image spec's words: ``linux/amd64``."""
-    return f"linux/{machine_arch()}"
 
 
 def is_index(m: Manifest) -> bool:

@@ -16,10 +16,10 @@ import pytest
 from conftest import Cluster, busybox_sif, push, site_registry
 
 from peers import PUSHES, Push
+from tfimage.agent.core.sif import this_platform
 from tfimage.agent.registry.artifact import SIF_CONFIG, SIF_LAYER, TITLE
 from tfimage.agent.registry.client import RegistryClient
 from tfimage.agent.registry.mediatypes import OCI_INDEX, OCI_MANIFEST
-from tfimage.agent.registry.platforms import this_platform
 
 
 def _push(up: RegistryClient, repo: str, sif: Path, tag: str, media_type: str) -> tuple[str, int]:

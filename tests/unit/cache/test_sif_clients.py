@@ -23,12 +23,11 @@ from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.core import layout
 from tfimage.agent.core.config import load_config
 from tfimage.agent.core.errors import ConfigError, VerificationError
-from tfimage.agent.core.sif import machine_arch
+from tfimage.agent.core.sif import machine_arch, this_platform
 from tfimage.agent.registry.artifact import SIF_CONFIG, SIF_LAYER, TITLE
 from tfimage.agent.registry.client import RegistryClient
 from tfimage.agent.registry.credentials import Credential
 from tfimage.agent.registry.mediatypes import DOCKER_LIST, DOCKER_MANIFEST, OCI_INDEX, OCI_MANIFEST
-from tfimage.agent.registry.platforms import this_platform
 from tfimage.agent.registry.transport import Response, StdlibTransport
 from tfimage.agent.submit.pin import pin
 
