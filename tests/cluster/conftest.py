@@ -227,16 +227,22 @@ def cluster() -> Cluster:
     return c
 
 
-@pytest.fixture
-def workdir(cluster: Cluster) -> Iterator[Path]:
-    """A fresh directory in the test user's home (not under /tmp, which ch-run binds)."""
-    pw = pwd.getpwnam(cluster.user)
+def home_dir(user: str) -> Iterator[Path]:
+    """A fresh directory in ``user``'s home, theirs (not under /tmp, which ch-run
+    binds), removed after."""
+    pw = pwd.getpwnam(user)
     d = Path(pw.pw_dir) / "tfimage-tests" / uuid.uuid4().hex[:10]
     d.mkdir(parents=True)
     os.chown(d.parent, pw.pw_uid, pw.pw_gid)
     os.chown(d, pw.pw_uid, pw.pw_gid)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def workdir(cluster: Cluster) -> Iterator[Path]:
+    """A fresh directory in the test user's home."""
+    yield from home_dir(cluster.user)
 
 
 def site_registry(cluster: Cluster) -> Registry:

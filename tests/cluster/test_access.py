@@ -11,14 +11,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import pwd
-import shutil
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Cluster
+from conftest import Cluster, home_dir
 
 pytestmark = pytest.mark.cluster
 
@@ -34,13 +32,8 @@ def other(cluster: Cluster) -> Cluster:
 
 @pytest.fixture
 def otherdir(other: Cluster) -> Iterator[Path]:
-    pw = pwd.getpwnam(other.user)
-    d = Path(pw.pw_dir) / "tfimage-tests" / uuid.uuid4().hex[:10]
-    d.mkdir(parents=True)
-    os.chown(d.parent, pw.pw_uid, pw.pw_gid)
-    os.chown(d, pw.pw_uid, pw.pw_gid)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    """A fresh directory in TFIMAGE_TEST_USER2's home."""
+    yield from home_dir(other.user)
 
 
 def _digest(cluster: Cluster) -> str:

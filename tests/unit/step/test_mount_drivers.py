@@ -58,6 +58,14 @@ def test_each_driver_mounts_the_image_nosuid_nodev_and_leaves_with_the_job(
     assert not imagemount.mounted(img) and _loops_of(sif) == ""  # the loop device went too
 
 
+def _marked_sif(tmp_path: Path, marker: str, comp: str) -> Path:
+    """A SIF whose /etc/marker says ``marker``, its squashfs compressed with ``comp``."""
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "marker").write_text(marker)
+    return build_sif(root, tmp_path / "img.sif", comp)
+
+
 # What builders write: gzip (mksquashfs's and Apptainer's default), xz, lz4 (ours),
 # zstd (Apptainer >= 1.4 with --mksquashfs-args), lzo.
 COMPRESSIONS = ["gzip", "xz", "lz4", "zstd", "lzo"]
@@ -70,10 +78,7 @@ COMPRESSIONS_ID = {"gzip": 1, "lzo": 3, "xz": 4, "lz4": 5, "zstd": 6}
 def test_each_driver_reads_every_compression_a_builder_writes(
     root_with_fuse: None, tmp_path: Path, driver: str, comp: str
 ) -> None:
-    root = tmp_path / "root"
-    (root / "etc").mkdir(parents=True)
-    (root / "etc" / "marker").write_text(f"{comp} via {driver}\n")
-    sif = build_sif(root, tmp_path / "img.sif", comp)
+    sif = _marked_sif(tmp_path, f"{comp} via {driver}\n", comp)
     with open(sif, "rb") as f:  # the squashfs superblock's compressor id, in the SIF
         data = f.read()
     at = data.index(b"hsqs")
@@ -232,10 +237,7 @@ def test_a_kernel_without_zstd_is_skipped_naming_why_and_fuse_mounts_the_image(
     root_with_fuse: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     readers = squashcomp.Readers(kernel_config=_config_without("ZSTD"))
-    root = tmp_path / "root"
-    (root / "etc").mkdir(parents=True)
-    (root / "etc" / "marker").write_text("zstd\n")
-    sif = build_sif(root, tmp_path / "img.sif", "zstd")
+    sif = _marked_sif(tmp_path, "zstd\n", "zstd")
     state = tmp_path / "state"
     with caplog.at_level("WARNING", logger="tfimage.mount"):
         img = imagemount.mount_image(
@@ -257,10 +259,7 @@ def test_an_image_no_driver_here_reads_is_named_with_each_driver_and_nothing_mou
     root_with_fuse: None, tmp_path: Path
 ) -> None:
     readers = squashcomp.Readers(kernel_config=_config_without("XZ"))
-    root = tmp_path / "root"
-    (root / "etc").mkdir(parents=True)
-    (root / "etc" / "marker").write_text("xz\n")
-    sif = build_sif(root, tmp_path / "img.sif", "xz")
+    sif = _marked_sif(tmp_path, "xz\n", "xz")
     state = tmp_path / "state"
     with pytest.raises(RuntimeSetupError) as e:
         imagemount.mount_image(str(state), "65", sif, "sha256:" + "e" * 64, ("kernel",), readers)
