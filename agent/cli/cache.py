@@ -1,7 +1,7 @@
 """``tfimage cache ...``: the operator's view of one node's image cache.
 
-Exit codes as for ``tfimage``; ``verify`` exits 1 when an entry is bad, ``warm``
-when a kept image could not be fetched.
+Exit statuses are exits.py's; ``verify`` exits 1 (STATE) when an entry is bad,
+``warm`` when a kept image could not be fetched.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tfimage.agent.cli import exits
 from tfimage.agent.core.config import Config, load_config
-from tfimage.agent.core.errors import CacheError, TfimageError
+from tfimage.agent.core.errors import InputError, TfimageError
 
 if TYPE_CHECKING:  # every `tfimage` call builds this parser: load the cache only when used
     from tfimage.agent.cache.pull import Puller
@@ -36,10 +37,16 @@ def _puller(cache: ImageCache) -> Puller:
     return Puller(cache)
 
 
+MIN_PREFIX = 4
+
+
 def _digest_of(cache: ImageCache, cfg: Config, what: str) -> str:
-    """A cached entry named by digest (or a unique prefix of one) or by reference."""
+    """A cached entry named by digest (or a unique prefix of one) or by reference:
+    exactly one, or nothing is done."""
     entries = cache.entries()
     if what.startswith("sha256:"):
+        if len(what) < len("sha256:") + MIN_PREFIX:
+            raise InputError(f"{what!r}: give at least {MIN_PREFIX} hex digits of the digest")
         hits = [e.digest for e in entries if e.digest.startswith(what)]
     else:
         ref = cfg.reference(what)
@@ -49,7 +56,7 @@ def _digest_of(cache: ImageCache, cfg: Config, what: str) -> str:
             name = f"{ref.name}:{ref.tag}"
             hits = [e.digest for e in entries if name in e.refs]
     if len(hits) != 1:
-        raise CacheError(f"{what!r} names {'no' if not hits else 'more than one'} cached image")
+        raise InputError(f"{what!r} names {'no' if not hits else 'more than one'} cached image")
     return hits[0]
 
 
@@ -214,11 +221,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-EXIT_CODES = (
-    "Exit codes: 0 ok, 1 error (verify: an entry is bad; warm: a kept image could "
-    "not be fetched), 2 bad config, credentials or reference, 3 the image could not "
-    "be pulled, 70 internal error."
-)
+EXIT_CODES = exits.EPILOG
 _IMAGE = "a cached image: reference (tf-custom:2.0), digest, or a unique digest prefix"
 
 

@@ -20,13 +20,13 @@ def _read(name: str) -> str:
     try:
         data = sys.stdin.buffer.read(MAX_SCRIPT + 1) if name == "-" else _read_file(Path(name))
     except OSError as e:
-        raise InputError(f"convert-script: {name}: {e.strerror or e}") from None
+        raise InputError(f"{name}: {e.strerror or e}") from None
     if len(data) > MAX_SCRIPT:
-        raise InputError(f"convert-script: {name}: larger than {MAX_SCRIPT} bytes")
+        raise InputError(f"{name}: larger than {MAX_SCRIPT} bytes")
     try:
         return data.decode()
     except UnicodeDecodeError:
-        raise InputError(f"convert-script: {name}: not UTF-8 text") from None
+        raise InputError(f"{name}: not UTF-8 text") from None
 
 
 def _read_file(path: Path) -> bytes:
@@ -53,7 +53,7 @@ def _write(path: Path, text: str) -> Path:
             except FileExistsError:
                 continue
         else:
-            raise InputError(f"convert-script: {path}: 1000 backups already: remove some")
+            raise InputError(f"{path}: 1000 backups already: remove some")
         os.replace(tmp, real)
     finally:
         tmp.unlink(missing_ok=True)
@@ -62,7 +62,7 @@ def _write(path: Path, text: str) -> Path:
 
 def cmd_convert_script(args: argparse.Namespace) -> int:
     if args.write and args.file == "-":
-        raise InputError("convert-script: --write needs a file, not -")
+        raise InputError("--write needs a file, not -")
     before = _read(args.file)
     got = convert(before)
     name = args.file

@@ -98,7 +98,7 @@ def cmd_gpu_resume(args: argparse.Namespace) -> int:
     got = check(cfg, (), expect_idle=False, node_name=node)
     if got.verdict.drains:
         _report(args, got, {"resumed": False})
-        raise TfimageError(f"gpu: {node} still fails: {got.verdict.drains[0].reason()}")
+        raise TfimageError(f"{node} still fails: {got.verdict.drains[0].reason()}")
     slurm.resume(node, cfg.gpu.slurm_bin)
     if args.json:
         _report(args, got, {"resumed": True, "node": node, "was": reason})

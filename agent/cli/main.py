@@ -1,8 +1,9 @@
 """The ``tfimage`` command: operators' view of a node (the plugin's two hidden
 commands are in plugin.py; ``tfimage.main`` is the installed entry point).
 
-Exit codes: 0 ok; 1 usage or unexpected state; 2 bad config, credentials or
-reference; 3 the image or runtime could not be prepared; 70 internal error.
+One contract for every subcommand: exit statuses from exits.py's table; every
+error one ``tfimage: SUBCOMMAND: cause`` line on stderr and, under ``--json``, a
+JSON object on stdout as well; ``--config`` before or after the subcommand.
 """
 
 from __future__ import annotations
@@ -10,18 +11,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import tfimage
+from tfimage.agent.cli import exits
 from tfimage.agent.core import wire
 from tfimage.agent.core.config import DEFAULT_PATH, Config, load_config
-from tfimage.agent.core.errors import TfimageError
+from tfimage.agent.core.errors import InputError, TfimageError
 from tfimage.agent.core.reference import Reference
 
-EXIT_INTERNAL = 70
+EXIT_INTERNAL = exits.INTERNAL
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are one line and exit 64 (EX_USAGE)."""
+
+    def error(self, message: str) -> NoReturn:
+        where = self.prog.removeprefix("tfimage").strip()
+        print(
+            f"tfimage: {where + ': ' if where else ''}{message} (see '{self.prog} --help')",
+            file=sys.stderr,
+        )
+        sys.exit(exits.USAGE)
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -128,14 +143,29 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_sif(sif: Path) -> None:
+    from tfimage.agent.core.sif import has_magic
+
+    try:
+        with sif.open("rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise InputError(f"{sif}: not a regular file")
+            head = f.read(64)
+    except OSError as e:
+        raise InputError(f"{sif}: {e.strerror or e}") from None
+    if not has_magic(head):
+        raise InputError(f"{sif}: not a SIF file (build one with apptainer build)")
+
+
 def cmd_push(args: argparse.Namespace) -> int:
     from tfimage.agent.registry.access import client_for
 
     cfg = _config(args)
     ref = cfg.reference(args.ref)
     if ref.digest or not ref.tag:
-        raise TfimageError("push needs a reference with a tag and no digest")
+        raise InputError(f"{args.ref}: give a tag to push to, and no digest")
     sif = Path(args.sif)
+    _check_sif(sif)  # all of the input, before the registry is asked anything
     digest = client_for(cfg, ref.registry).push_sif(ref.repository, ref.tag, sif)
     _emit(args, {"reference": str(ref.pinned(digest))}, str(ref.pinned(digest)))
     return 0
@@ -156,7 +186,7 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def _no_daemon(args: argparse.Namespace) -> int:
-    raise TfimageError("daemon: start it with the installed 'tfimage' command")
+    raise TfimageError("start it with the installed 'tfimage' command")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -180,11 +210,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def build_parser(daemon: Handler | None = None) -> argparse.ArgumentParser:
     """The parser; ``daemon`` serves ``tfimage daemon`` (tfimage.main gives it: the
     daemon serves entry points this library does not import)."""
-    p = argparse.ArgumentParser(
+    p: argparse.ArgumentParser = Parser(
         prog="tfimage",
         description="Inspect and manage a node's tfimage cache; helpers for the Slurm plugin.",
-        epilog="Exit codes: 0 ok, 1 error, 2 bad config/credentials/reference, "
-        "3 image or runtime not ready, 70 internal error.",
+        epilog=exits.EPILOG,
     )
     p.add_argument("--version", action="version", version=f"tfimage {tfimage.__version__}")
     p.add_argument(
@@ -286,7 +315,29 @@ def build_parser(daemon: Handler | None = None) -> argparse.ArgumentParser:
     from tfimage.agent.cli.plugin import register as register_plugin
 
     register_plugin(sub)
+    _every_command(p, "", hidden=frozenset({wire.SUBMIT_CHECK, wire.STEP_PREPARE}))
     return p
+
+
+def _every_command(p: argparse.ArgumentParser, name: str, hidden: frozenset[str]) -> None:
+    """Name each command for its error lines, and let ``--config`` follow it too.
+
+    The plugin's own commands keep unprefixed errors: the plugin prints them after
+    its own ``tfimage: submit:``."""
+    subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        if name and name not in hidden:  # the plugin's flags are exactly wire.py's
+            p.set_defaults(command_name=name)
+            p.add_argument(
+                "--config", default=argparse.SUPPRESS, help="site config file (as before COMMAND)"
+            )
+        return
+    if p.epilog is None:
+        p.epilog = exits.EPILOG
+    for sub_name, sp in subs[0].choices.items():
+        if sp.epilog is None:
+            sp.epilog = exits.EPILOG
+        _every_command(sp, f"{name} {sub_name}".strip(), hidden)
 
 
 def main(argv: Sequence[str] | None = None, *, daemon: Handler | None = None) -> int:
@@ -294,17 +345,25 @@ def main(argv: Sequence[str] | None = None, *, daemon: Handler | None = None) ->
 
 
 def dispatch(args: argparse.Namespace) -> int:
-    """Run a parsed command: its exit status, and one ``tfimage:`` line on failure."""
+    """Run a parsed command: its exit status, and one ``tfimage: COMMAND:`` line on
+    failure (under ``--json``, also a JSON object on stdout)."""
     try:
         return int(args.func(args))
     except TfimageError as e:
-        print(f"tfimage: {e}", file=sys.stderr)
-        return e.exit_code
+        return _failed(args, str(e), e.exit_code)
     except KeyboardInterrupt:
-        return 130
+        return _failed(args, "interrupted", exits.INTERRUPTED)
     except Exception as e:  # one line for a person, never a traceback
-        print(f"tfimage: internal error: {type(e).__name__}: {e}", file=sys.stderr)
-        return EXIT_INTERNAL
+        return _failed(args, f"internal error: {type(e).__name__}: {e}", exits.INTERNAL)
+
+
+def _failed(args: argparse.Namespace, message: str, status: int) -> int:
+    name = getattr(args, "command_name", "")
+    print(f"tfimage: {name + ': ' if name else ''}{message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        doc = {"command": name, "error": message, "exit": status}
+        print(json.dumps(doc, sort_keys=True))
+    return status
 
 
 if __name__ == "__main__":

@@ -47,11 +47,11 @@ TRENDS = [
 def cmd_report(args: argparse.Namespace) -> int:
     paths = args.paths or [load_config(args.config).usage_log]
     if not all(paths):
-        raise InputError("usage report: no usage log configured here; give files or directories")
+        raise InputError("no usage log configured here; give files or directories")
     since = report.parse_when(args.since) if args.since else None
     until = report.parse_when(args.until) if args.until else None
     if since and until and since >= until:
-        raise InputError("usage report: --since must be before --until")
+        raise InputError("--since must be before --until")
     loaded = report.load(paths, by=args.by, since=since, until=until)
     doc: dict[str, Any] = {
         "files": loaded.files,

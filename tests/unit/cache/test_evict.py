@@ -253,7 +253,7 @@ def test_the_old_pin_spelling_is_refused_and_keep_is_named(
     cache, d, cfg_path = filled
     r = cache_cli(cfg_path, "pin", "eva:1")
     # argparse's own usage error; the choices are quoted up to Python 3.11, bare after
-    assert r.returncode == 2 and re.search(r"invalid choice: 'pin'.*\bkeep\b", r.stderr), r.stderr
+    assert r.returncode == 64 and re.search(r"invalid choice: 'pin'.*\bkeep\b", r.stderr), r.stderr
     assert cache.read_entry(d["a"]).kept is False
     listing = cache_cli(cfg_path, "--help").stdout
     assert re.search(r"^\s+keep\s", listing, re.M)
@@ -381,3 +381,4 @@ def test_leftovers_exactly_min_age_old_go_and_a_link_there_is_never_followed(
     assert gone == [edge]
     assert not edge.exists()
     assert link.is_symlink() and (outside / "precious").read_text() == "keep me"
+

@@ -69,7 +69,7 @@ def test_help_explains_every_command() -> None:
     for action in actions:
         assert action in listing
         r = tfimage("cache", action, "--help")
-        assert r.returncode == 0 and "--json" in r.stdout and "Exit codes:" in r.stdout
+        assert r.returncode == 0 and "--json" in r.stdout and "Exit status:" in r.stdout
         # A positional argument is explained, not just named.
         assert "positional arguments:" not in r.stdout or re.search(
             r"positional arguments:\n  \w+ +\S", r.stdout

@@ -177,8 +177,8 @@ def test_the_command_prints_a_table_a_person_reads_and_json_for_scripts(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["/nonexistent"], "tfimage: /nonexistent: no such file or directory"),
-        (["--since", "yesterday", "/tmp"], "tfimage: 'yesterday' is not a time"),
+        (["/nonexistent"], "tfimage: usage report: /nonexistent: no such file or directory"),
+        (["--since", "yesterday", "/tmp"], "tfimage: usage report: 'yesterday' is not a time"),
         (["--since", "2026-12-02", "--until", "2026-12-01", "/tmp"], "--since must be before"),
         (["--top-failing", "0", "/tmp"], "--top-failing: give a count of at least 1"),
         (["--plot", "out.jpg", "/tmp"], "give a file name ending in .png"),
@@ -221,7 +221,7 @@ def test_without_matplotlib_the_plot_says_how_to_get_it_in_one_line(
     )  # fmt: skip
     assert r.returncode == 2, r.stderr
     assert (
-        r.stderr
-        == "tfimage: --plot needs matplotlib: pip install 'tfimage[plot]' (or python3-matplotlib)\n"
+        r.stderr == "tfimage: usage report: --plot needs matplotlib: "
+        "pip install 'tfimage[plot]' (or python3-matplotlib)\n"
     )
     assert not (tmp_path / "x.png").exists()
