@@ -175,8 +175,8 @@ def _keep(args: argparse.Namespace, keep: bool) -> int:
 
     cache = _cache(args)
     cfg = cache.cfg
-    ref = cfg.reference(args.image)
     if keep:
+        ref = cfg.reference(args.image)
         got = _puller(cache).ensure(ref)
         assert got.ref.digest
         set_kept(cache, got.ref.digest, True)
@@ -184,8 +184,21 @@ def _keep(args: argparse.Namespace, keep: bool) -> int:
         _out(args, {"kept": str(got.ref)}, f"kept {got.ref}")
         return 0
     digest = _digest_of(cache, cfg, args.image)
+    named = {r for e in cache.entries() if e.digest == digest for r in e.refs}
+    if not args.image.startswith("sha256:"):
+        named.add(str(cfg.reference(args.image)))
+
+    def names_it(text: str) -> bool:
+        # Every kept name of this image goes, however it was given: else the next
+        # `cache warm` would keep it again.
+        try:
+            kept = cfg.reference(text)
+        except TfimageError:
+            return False
+        return kept.digest == digest or str(kept) in named or f"{kept.name}:{kept.tag}" in named
+
+    change_kept_refs(cache, lambda refs: [r for r in refs if not names_it(r)])
     set_kept(cache, digest, False)
-    change_kept_refs(cache, lambda refs: [r for r in refs if r != str(ref)])
     _out(args, {"unkept": digest}, f"unkept {digest}")
     return 0
 
@@ -257,8 +270,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], pull: Han
     add("keep", keep, keep_help).add_argument(
         "image", help="image reference to pull and keep, e.g. tf-custom:2.0"
     )
-    add("unkeep", unkeep, "let an image be evicted again").add_argument(
-        "image", help="image reference that was kept"
+    add("unkeep", unkeep, "let an image be evicted again, and warm fetch it no more").add_argument(
+        "image", help=_IMAGE
     )
     add("verify", cmd_verify, "re-check every image's sha256 and SIF magic")
     add("du", cmd_du, "cache size and how full its filesystem is, against the watermarks")

@@ -382,3 +382,26 @@ def test_leftovers_exactly_min_age_old_go_and_a_link_there_is_never_followed(
     assert not edge.exists()
     assert link.is_symlink() and (outside / "precious").read_text() == "keep me"
 
+
+@pytest.mark.parametrize("unkept_as", ["name", "digest", "prefix", "full name"])
+def test_an_unkept_image_stays_unkept_through_the_next_warm(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path, unkept_as: str
+) -> None:
+    """Kept as ``cold:1``, unkept by any name of the same image: the next ``cache
+    warm`` must not keep it again (it did when unkept by digest)."""
+    up = registry.client()
+    cfg = registry.write_site(tmp_path)
+    up.push_sif("library/cold", "1", make_sif({"v": "1"}))
+    assert cache_cli(cfg, "keep", "cold:1").returncode == 0
+    digest = json.loads(cache_cli(cfg, "ls", "--json").stdout)[0]["digest"]
+    name = {
+        "name": "cold:1",
+        "digest": digest,
+        "prefix": digest[:15],
+        "full name": str(load_config(cfg).reference("cold:1")),
+    }[unkept_as]
+    r = cache_cli(cfg, "unkeep", name)
+    assert r.returncode == 0, r.stderr
+    warm = cache_cli(cfg, "warm", "--json")
+    assert warm.returncode == 0 and json.loads(warm.stdout) == [], warm.stdout
+    assert json.loads(cache_cli(cfg, "ls", "--json").stdout)[0]["kept"] is False

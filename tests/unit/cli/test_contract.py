@@ -55,7 +55,7 @@ def test_a_problem_found_in_the_nodes_state_is_1(site: Path) -> None:
     [
         (["resolve", "--offline", "Bad Ref"], r"tfimage: resolve: .*whitespace"),
         (["cache", "rm", "nothing:1"], r"tfimage: cache rm: 'nothing:1' names no cached image"),
-        (["cache", "rm", "sha256:"], r"tfimage: cache rm: 'sha256:': give at least 4 "),
+        (["cache", "unkeep", "sha256:"], r"tfimage: cache unkeep: 'sha256:': give at least 4 "),
         (["cache", "rm", "sha256:ab"], r"tfimage: cache rm: 'sha256:ab': give at least 4 "),
         (["push", "/nonexistent.sif", "x:1"], r"tfimage: push: /nonexistent.sif: No such file"),
         (["push", "/etc/hostname", "x:1"], r"tfimage: push: /etc/hostname: not a SIF file"),
