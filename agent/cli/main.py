@@ -171,6 +171,18 @@ def cmd_push(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tags(args: argparse.Namespace) -> int:
+    from tfimage.agent.submit.tags import tags
+
+    ref, found = tags(_config(args), args.repository)
+    name = f"{ref.registry}/{ref.repository}"
+    if args.json:
+        print(json.dumps({"repository": name, "tags": found}, sort_keys=True))
+    else:
+        print("\n".join(f"{ref.repository}:{t}" for t in found) or f"{name}: no tags")
+    return 0
+
+
 def cmd_config_compile(args: argparse.Namespace) -> int:
     from tfimage.agent.core.config import compile_config
 
@@ -248,6 +260,17 @@ def build_parser(daemon: Handler | None = None) -> argparse.ArgumentParser:
     ps.add_argument("ref", help="destination reference with a tag")
     ps.add_argument("--json", action="store_true", help="machine-readable output")
     ps.set_defaults(func=cmd_push)
+
+    tg = sub.add_parser(
+        "tags",
+        help="list the tags of a repository you may run",
+        description="List a repository's tags, read with your own credentials, as "
+        "--tf-image would name them. A repository you may not run is answered as one "
+        "that does not exist.",
+    )
+    tg.add_argument("repository", help="a repository as --tf-image names it, e.g. tf-custom")
+    tg.add_argument("--json", action="store_true", help="machine-readable output")
+    tg.set_defaults(func=cmd_tags)
 
     cc = sub.add_parser(
         "config-compile",
