@@ -242,6 +242,13 @@ def check_rewrite(upstream: str, site: str) -> None:
 
 def check_allowed(ref: Reference, allowed: tuple[str, ...]) -> None:
     """Refuse registries that are not on the admin's allowlist."""
+    if ref.registry in DOCKER_HUB and ref.registry not in allowed:
+        # Only a site without a Docker Hub proxy gets here (with one, the name maps).
+        raise ImageReferenceError(
+            f"{ref.registry}/{ref.repository}: this site has no Docker Hub proxy; copy the "
+            f"image to {allowed[0] if allowed else 'the site registry'} and name it there "
+            "(tfimage push FILE NAME:TAG for a SIF)"
+        )
     if ref.registry not in allowed:
         raise ImageReferenceError(
             f"registry {ref.registry!r} is not allowed here (allowed: {', '.join(allowed)})"

@@ -148,6 +148,13 @@ def pin(
     try:
         with _bounded():
             digest = _first_answer(cfg, ref, client_factory)
+    except ImageNotFound as e:
+        if ref.transport == "docker" and not cfg.dockerhub_project and ref.registry == cfg.registry:
+            raise ImageNotFound(
+                f"{e} (this site has no Docker Hub proxy: docker://NAME is looked up in "
+                f"{cfg.registry}; copy the image there, or ask your admins for a proxy)"
+            ) from None
+        raise
     except (RegistryUnreachable, DeadlineExceeded) as e:
         known = seen.recall(key, uid)
         if not known:
