@@ -8,6 +8,8 @@
  * helper pins as the user, as it would with no daemon.  Both get the same
  * submit-check request (agent/core/wire.py, 4). */
 #define _GNU_SOURCE
+#include <ctype.h>
+#include <libgen.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +46,28 @@ static int ask_pin_server(char *const argv[], char **out, size_t *len, char *err
 	return -2;
 }
 
+/* The admin's kill switch (wire.h's TFI_OFF_SWITCH beside the config): 1 and
+ * its first line in why (printable bytes only) when it is there, else 0. */
+static int switched_off(char *why, size_t n)
+{
+	char dir[TFI_MAX_PATH], path[TFI_MAX_PATH + sizeof(TFI_OFF_SWITCH) + 1];
+	FILE *f;
+	size_t i = 0;
+	int c;
+
+	strcpy(dir, tfi_conf.config);
+	snprintf(path, sizeof(path), "%s/%s", dirname(dir), TFI_OFF_SWITCH);
+	f = fopen(path, "re");
+	if (!f)
+		return 0;
+	while (i + 1 < n && (c = fgetc(f)) != EOF && c != '\n')
+		if (isprint(c))
+			why[i++] = (char)c;
+	why[i] = '\0';
+	fclose(f);
+	return 1;
+}
+
 int tfi_submit_init_post_opt(spank_t sp)
 {
 	const char *job = getenv(TFI_STEP_IMAGE_VAR); /* an srun inside a job */
@@ -53,6 +77,12 @@ int tfi_submit_init_post_opt(spank_t sp)
 	long long start = tfi_now_ms();
 	int rc;
 
+	if (!job && switched_off(err, 200)) {
+		slurm_error("tfimage: submit: --tf-image is turned off on this cluster%s%s; "
+			    "jobs already queued still run",
+			    err[0] ? ": " : "", err);
+		return -1;
+	}
 	if (asprintf(&binds, "%s%s", TFI_ARG_TF_MOUNT, tfi_state.binds) < 0 ||
 	    asprintf(&job_image, "%s%s", TFI_ARG_JOB_IMAGE, job ? job : "") < 0) {
 		slurm_error("tfimage: submit: out of memory");

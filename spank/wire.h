@@ -25,6 +25,10 @@
 #define TFI_DEFAULT_SUBMIT_TIMEOUT 30
 #define TFI_DEFAULT_HOOK_DEADLINE 600
 
+/* The admin's kill switch: this file beside the config refuses new --tf-image
+ * submissions; jobs already queued or running, and their inner sruns, go on. */
+#define TFI_OFF_SWITCH "submit.off"
+
 #define TFI_CMD_STEP_PREPARE "step-prepare"
 #define TFI_CMD_SUBMIT_CHECK "submit-check"
 

@@ -110,6 +110,11 @@ DEFAULT_SUBMIT_TIMEOUT = 30
 PIN_SERVER_SHARE = DEFAULT_SUBMIT_TIMEOUT / 2
 PIN_REGISTRY_SECONDS = PIN_SERVER_SHARE * 2 / 3
 DEFAULT_HOOK_DEADLINE = 600  # the config's hook_deadline; prepare_timeout adds HOOK_GRACE
+# The admin's kill switch: a file of this name beside the config, whose first line
+# says why, turns --tf-image off for new submissions; what is queued or running goes
+# on (the plugin checks it at submit only, and not for an srun inside such a job).
+OFF_SWITCH = "submit.off"
+
 PLUGSTACK_KEYS = ("helper", "config", "daemon", "pin_socket", "submit_timeout", "prepare_timeout")
 
 
@@ -221,6 +226,7 @@ C_CONSTANTS: dict[str, str | int] = {
     "TFI_CONTROL_IMAGE": CONTROL_IMAGE,
     "TFI_STEP_IMAGE_VAR": STEP_IMAGE_VAR,
     "TFI_DEFAULT_CONFIG": DEFAULT_CONFIG,
+    "TFI_OFF_SWITCH": OFF_SWITCH,
     "TFI_DEFAULT_HELPER": DEFAULT_HELPER,
     "TFI_DEFAULT_SUBMIT_TIMEOUT": DEFAULT_SUBMIT_TIMEOUT,
     "TFI_DEFAULT_HOOK_DEADLINE": DEFAULT_HOOK_DEADLINE,
