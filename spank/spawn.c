@@ -107,7 +107,7 @@ int tfi_spawn(char *const argv[], int timeout_s, char **out, size_t *out_len,
 			close(po[0]);
 			close(pe[0]);
 			free(buf);
-			return -1;
+			return TFI_SPAWN_TIMEOUT;
 		}
 		if (fds[0].fd < 0 && fds[1].fd < 0)
 			break;
@@ -173,7 +173,7 @@ int tfi_spawn(char *const argv[], int timeout_s, char **out, size_t *out_len,
 			waitpid(pid, &status, 0);
 			snprintf(errbuf, errlen, "%s did not finish within %d s", argv[0], timeout_s);
 			free(buf);
-			return -1;
+			return TFI_SPAWN_TIMEOUT;
 		}
 		usleep(2000);
 	}

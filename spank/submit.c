@@ -102,6 +102,15 @@ int tfi_submit_init_post_opt(spank_t sp)
 	}
 	free(binds);
 	free(job_image);
+	if (rc == TFI_SPAWN_TIMEOUT) {
+		/* What the user can do, not which program was slow (its path helps no one). */
+		slurm_error("tfimage: submit: %s: no answer within submit_timeout (%d s): the "
+			    "registry may be down or overloaded; try again later, or name the image "
+			    "by digest (NAME@sha256:...), which a later srun inside the job reuses",
+			    tfi_state.image, tfi_conf.submit_timeout);
+		free(out);
+		return -1;
+	}
 	if (rc != 0) {
 		slurm_error("tfimage: submit: %s", err[0] ? tfi_strip_prefix(err)
 							: "the image and --tf-mount check failed");

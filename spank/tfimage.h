@@ -66,8 +66,10 @@ extern struct tfi_state tfi_state;
 int tfi_parse_args(int ac, char **av);
 
 /* spawn.c: run argv (no shell) with a deadline; stdout kept in *out
- * (malloc'ed, caller frees).  Returns the exit status, or -1 on timeout or
- * failure to start; errbuf gets the child's last stderr line. */
+ * (malloc'ed, caller frees).  Returns the exit status, TFI_SPAWN_TIMEOUT when
+ * it did not finish in time, or -1 when it could not start; errbuf gets the
+ * child's last stderr line. */
+#define TFI_SPAWN_TIMEOUT (-3)
 int tfi_spawn(char *const argv[], int timeout_s, char **out, size_t *out_len,
 		   char *errbuf, size_t errlen);
 
