@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: all venv lint wheel spank spank-other images cluster-up cluster-down cluster-status \
-        demo test test-unit test-cluster test-other-host mutate bench clean
+        demo man test test-unit test-cluster test-other-host mutate bench clean
 
 all: venv spank
 
@@ -30,6 +30,12 @@ lint: venv
 
 wheel:
 	bash deploy/local/role.sh wheel
+
+# tfimage(1) from the CLI's own parser; tfimage-spank(8) as written in docs/man/.
+man: venv
+	mkdir -p build/man
+	$(PY) -m tfimage.agent.cli.manpage > build/man/tfimage.1
+	cp docs/man/tfimage-spank.8 build/man/
 
 spank:
 	$(MAKE) -C spank all check-exports

@@ -529,6 +529,9 @@ tfimage_prefix: $PREFIX
 tfimage_slurm_conf_dir: $ETC
 tfimage_plugin_dir: $STATE/lib
 tfimage_config_dir: $ETC/tfimage
+# This machine's own PATH and man pages stay as they are.
+tfimage_bin_dir: $STATE/bin
+tfimage_man_dir: $STATE/man
 # Slurm starts after the role here: nothing to reconfigure.
 tfimage_slurm_reconfigure: false
 tfimage_registry: "$REGISTRY"

@@ -15,6 +15,7 @@ PKGS=(
     logrotate  # the usage log survives both ways of rotating it
     prometheus prometheus-node-exporter  # the metrics tests scrape a real node_exporter
     nginx      # a per-project auth proxy in front of the registry (project_proxy.py)
+    man-db     # the tests render tfimage(1) and tfimage-spank(8) with man -l
 )
 missing=()
 for p in "${PKGS[@]}"; do
