@@ -140,7 +140,7 @@ def test_a_cache_owned_by_another_user_is_an_error(tmp_path: Path, registry: Reg
 
 def test_no_nvml_on_a_node_with_gpu_devices_is_an_error(tmp_path: Path) -> None:
     """This machine has no libnvidia-ml.so.1: on a node without GPU device files that
-    is nothing to fix, on one with them an error (README: doctor)."""
+    is nothing to fix, on one with them an error (docs/admin.md: doctor)."""
     import ctypes.util
 
     from tfimage.agent.cli.doctor import check_nvml

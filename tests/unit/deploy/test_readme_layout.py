@@ -1,4 +1,4 @@
-"""The README's Layout table and the import contract against the tree: a module or
+"""The developer guide's Layout table and the import contract against the tree: a module or
 package added, moved or removed without its line there fails here, so the table
 stays a map a newcomer can trust and no folder escapes the layers."""
 
@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def _layout_rows() -> dict[str, set[str]]:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "developer.md").read_text()
     section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     rows: dict[str, set[str]] = {}
     for line in section.splitlines():
@@ -29,7 +29,7 @@ def test_every_agent_package_has_a_row_naming_exactly_its_modules() -> None:
     }
     assert set(rows) == set(packages), "a package without a row, or a row without a package"
     for package, modules in packages.items():
-        assert rows[package] == modules, f"{package}: README {rows[package]} != tree {modules}"
+        assert rows[package] == modules, f"{package}: docs {rows[package]} != tree {modules}"
 
 
 def test_no_module_is_left_at_the_top_of_agent() -> None:

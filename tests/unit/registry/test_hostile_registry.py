@@ -611,7 +611,7 @@ def test_a_4xx_from_the_registry_is_final_and_no_mirror_is_asked(
     status: int,
 ) -> None:
     """Mirrors hold the same repositories: one that is not there, or not for these
-    credentials, is not there on a mirror either (README: Registry access)."""
+    credentials, is not there on a mirror either (docs/admin.md: Registry access)."""
     primary, mirror, _ = three
     blob = a_sif(make_sif)
     primary.serve(blob, status=status)

@@ -248,8 +248,8 @@ def test_a_bad_file_is_one_line(tmp_path: Path, content: bytes | None, said: str
     assert r.returncode == 2 and r.stderr == f"tfimage: convert-script: job.sh: {said}\n"
 
 
-def test_the_readmes_before_and_after_are_what_the_command_does() -> None:
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+def test_the_user_guides_before_and_after_are_what_the_command_does() -> None:
+    readme = (Path(__file__).resolve().parents[3] / "docs" / "user.md").read_text()
     section = readme.split("## Coming from `singularity exec`")[1]
     before, after = (block.split("```")[0] for block in section.split("```bash\n")[1:3])
     assert before == GUIDE
