@@ -135,11 +135,14 @@ class Cluster:
     @contextlib.contextmanager
     def config_with(self, **changes: object) -> Iterator[None]:
         """Every node's and the login node's config with ``changes``, put back after
-        (same inode, size and mtime: its compiled form is valid again)."""
+        (same inode, size and mtime: its compiled form is valid again).  A change to
+        None removes the key."""
         path = Path(self.env["TFIMAGE_CONFIG"])
         text, st = path.read_text(), path.stat()
         cfg = yaml.safe_load(text)
         cfg.update(changes)
+        for key in [k for k, v in changes.items() if v is None]:
+            del cfg[key]
         path.write_text(yaml.safe_dump(cfg))
         daemon = ["bash", str(REPO / "deploy/local/cluster.sh"), "daemon", "login"]
         try:
