@@ -15,7 +15,7 @@ import pytest
 from conftest import drains, gpu_check, hook
 from gpus import FakeNvml, node
 
-from tfimage.agent.core.errors import TfimageError
+from tfimage.agent.core.errors import NodeFault, TfimageError
 from tfimage.agent.gpu.child import probe_bounded
 from tfimage.agent.gpu.probe import Selection
 
@@ -68,8 +68,10 @@ def test_a_process_killed_by_the_oom_killer_is_not_a_gpu_fault(
     doc = node(1)
     doc["signal"] = 9
     in_process.write(doc)
-    with pytest.raises(TfimageError, match=r"the NVML reading failed: exit status -9"):
+    with pytest.raises(TfimageError, match=r"the NVML reading failed: exit status -9") as e:
         probe_bounded(Selection(True), 10)
+    # Exactly tfimage's own trouble: a NodeFault (a TfimageError too) would drain.
+    assert type(e.value) is TfimageError and not isinstance(e.value, NodeFault)
 
 
 def test_the_child_reads_the_same_gpus_the_selection_names(
@@ -87,8 +89,46 @@ def test_a_python_error_in_the_child_is_tfimages_trouble_not_a_gpu_fault(
     in_process: FakeNvml,
 ) -> None:
     in_process.write(node(1))
-    with pytest.raises(TfimageError, match=r"gpu: the NVML reading failed: ValueError"):
+    with pytest.raises(TfimageError, match=r"gpu: the NVML reading failed: ValueError") as e:
         probe_bounded(Selection(False, ("not-a-gpu",)), 10)
+    assert type(e.value) is TfimageError and not isinstance(e.value, NodeFault)
+
+
+def test_a_child_that_does_not_start_in_time_is_not_a_gpu_fault(in_process: FakeNvml) -> None:
+    in_process.write(node(1))
+    # No Python starts in 1 ms: the child never says READY.
+    with pytest.raises(TfimageError, match=r"did not start within 0.001 s") as e:
+        probe_bounded(Selection(True), 0.001)
+    assert type(e.value) is TfimageError and not isinstance(e.value, NodeFault)
+
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root: run as root")
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize(
+    ("fault", "timeout", "said"),
+    [
+        ({"signal": 9}, 20, "the NVML reading failed: exit status -9"),
+        ({}, 0.001, "the NVML reading did not start within 0.001 s"),
+    ],
+    ids=["killed by the OOM killer", "not started within its bound"],
+)
+def test_a_prolog_whose_reading_fails_for_tfimages_own_reasons_exits_0(
+    nvml: FakeNvml,
+    site: Callable[..., Path],
+    tmp_path: Path,
+    fault: dict[str, object],
+    timeout: float,
+    said: str,
+) -> None:
+    """Slurm drains a node whose prolog exits non-zero: these must exit 0."""
+    nvml.write({**node(2), **fault})
+    r = hook("prolog", nvml, site(timeout=timeout), "--job=45", "--node=n1", "--gpus=0,1")
+    assert r.returncode == 0, r.stderr
+    log = (tmp_path / "hooks.log").read_text()
+    assert said in log, log
+    assert "drain" not in log, log
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root: run as root")
