@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -387,10 +388,24 @@ def _parse_yaml(p: Path) -> dict[str, Any]:
     return data
 
 
+def _trusted(p: Path, st: os.stat_result) -> None:
+    """Root reads only a config root owns and nobody else may write: the config
+    names what root runs, mounts and trusts.  (A user's own helper may read any.)"""
+    if os.geteuid() != 0:
+        return
+    if st.st_uid != 0:
+        raise ConfigError(f"{p}: not owned by root; root reads only a root-owned config")
+    if st.st_mode & 0o022:
+        raise ConfigError(
+            f"{p}: mode {stat.S_IMODE(st.st_mode):04o} lets others write it; chmod go-w it"
+        )
+
+
 def load_config(path: str | Path | None = None) -> Config:
     p = Path(path) if path else DEFAULT_PATH
     with _reading(p):
         st = p.stat()
+    _trusted(p, st)
     data = _compiled(p, st)
     return config_from_mapping(_parse_yaml(p) if data is None else data, p)
 

@@ -81,3 +81,48 @@ def test_a_bad_config_is_never_compiled(tmp_path: Path, capsys: pytest.CaptureFi
     assert not compiled_path(cfg).exists()
     assert main(["--config", str(cfg), "config-compile"]) == 2
     assert "unknown setting(s): runetime" in capsys.readouterr().err
+
+
+NOBODY = 65534
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="chown and root's own check need root")
+
+
+@pytest.mark.parametrize(
+    "mode", [0o620, 0o602, 0o666], ids=["group-writable", "other-writable", "both"]
+)
+def test_a_compiled_form_writable_by_group_or_others_is_ignored(tmp_path: Path, mode: int) -> None:
+    cfg = _write(tmp_path / "config.yaml", "registry: real.example\n")
+    out = compile_config(cfg)
+    out.write_text(out.read_text().replace("real.example", "evil.example"))
+    os.chmod(out, mode)
+    assert load_config(cfg).registry == "real.example"
+
+
+@ROOT_ONLY
+def test_a_compiled_form_owned_by_another_user_is_ignored(tmp_path: Path) -> None:
+    cfg = _write(tmp_path / "config.yaml", "registry: real.example\n")
+    out = compile_config(cfg)
+    out.write_text(out.read_text().replace("real.example", "evil.example"))
+    os.chown(out, NOBODY, NOBODY)
+    assert load_config(cfg).registry == "real.example"
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize(
+    ("mode", "owner", "said"),
+    [
+        (0o664, 0, "mode 0664 lets others write it; chmod go-w it"),
+        (0o646, 0, "mode 0646 lets others write it; chmod go-w it"),
+        (0o644, NOBODY, "not owned by root"),
+    ],
+    ids=["group-writable", "other-writable", "another owner"],
+)
+def test_root_refuses_a_config_others_may_write(
+    tmp_path: Path, mode: int, owner: int, said: str
+) -> None:
+    cfg = _write(tmp_path / "config.yaml", "registry: real.example\n")
+    os.chmod(cfg, mode)
+    os.chown(cfg, owner, 0)
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg)
+    assert str(e.value) == f"{cfg}: {said}" or str(e.value).startswith(f"{cfg}: {said}")

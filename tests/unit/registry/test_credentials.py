@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,8 @@ def test_private_file_loads_and_hides_password(tmp_path: Path) -> None:
     assert "pw1" not in repr(creds)
 
 
-@pytest.mark.parametrize("mode", [0o640, 0o604, 0o644])
-def test_readable_by_others_is_refused(tmp_path: Path, mode: int) -> None:
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o644, 0o620, 0o602, 0o660, 0o606])
+def test_readable_or_writable_by_others_is_refused(tmp_path: Path, mode: int) -> None:
     p = tmp_path / "c.yaml"
     p.write_text("registries: {}\n")
     p.chmod(mode)
@@ -36,8 +37,11 @@ def test_symlink_is_refused(tmp_path: Path) -> None:
     real.write_text("registries: {}\n")
     real.chmod(0o600)
     (tmp_path / "link.yaml").symlink_to(real)
-    with pytest.raises(CredentialsError):
+    with pytest.raises(CredentialsError) as e:
         load_credentials(tmp_path / "link.yaml")
+    assert (
+        str(e.value) == f"{tmp_path / 'link.yaml'}: cannot open: Too many levels of symbolic links"
+    )
 
 
 def test_absent_file_means_anonymous(tmp_path: Path) -> None:
@@ -73,3 +77,14 @@ def test_a_requests_hop_never_shows_its_credentials_in_a_repr() -> None:
                (1.0, 2.0), True, None)  # fmt: skip
     assert "s3cret" not in repr(hop) and "czNjcmV0" not in repr(hop)
     assert "https://reg/v2/" in repr(hop)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+def test_a_file_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("registries: {}\n")
+    p.chmod(0o600)
+    os.chown(p, 65534, 65534)
+    with pytest.raises(CredentialsError) as e:
+        load_credentials(p)
+    assert str(e.value) == f"{p}: not owned by uid 0"
