@@ -10,6 +10,7 @@ report why at once.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -30,7 +31,15 @@ from gpus import FakeNvml, build_fake_nvml
 from gpus import node as gpus_node
 from hostile import Server
 
-from support import Registry, ask_daemon, hook_site, started_daemon
+from support import (
+    Registry,
+    ask_daemon,
+    hook_site,
+    need,
+    push_oci_image,
+    started_daemon,
+    wait_for,
+)
 from tfimage.agent.core import wire
 from tfimage.agent.core.config import load_config
 from tfimage.agent.core.errors import ImageError, NodeFault
@@ -300,10 +309,13 @@ def test_sigterm_ends_a_prolog_with_one_line_and_exit_0(tls: Path, tmp_path: Pat
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(100):
-            if s.b.ranges or any("/blobs/" in path for path, _ in s.b.seen):
-                break
-            time.sleep(0.1)
+        # Only once the download has begun: a SIGTERM before it would prove less.
+        wait_for(
+            lambda: bool(s.b.ranges) or any("/blobs/" in path for path, _ in s.b.seen),
+            timeout=20,
+            what="the prolog's download to begin",
+        )
+        assert p.poll() is None, "the prolog ended before it was signalled"
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=30)
     finally:
@@ -375,41 +387,70 @@ def test_a_trickling_registry_ends_the_prolog_at_its_deadline_once(
 # --- no credential or token in a log, an argv or a job's environment ------------------
 
 
+@contextlib.contextmanager
+def execs_traced(pid: int, out: Path) -> Iterator[None]:
+    """Every execve of ``pid`` and its descendants from now on, with whole argv and
+    environment (strace -f -v -s): short-lived helpers that a sampler of /proc misses
+    included."""
+    need("strace")
+    tracer = subprocess.Popen(
+        ["strace", "-f", "-v", "-s", "65536", "-e", "trace=execve", "-o", str(out),
+         "-p", str(pid)],
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert tracer.stderr is not None
+    # strace says it attached before it traces anything
+    wait_for(lambda: out.exists() or tracer.poll() is not None, timeout=20, what="strace")
+    time.sleep(0.3)
+    try:
+        yield
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(timeout=30)
+
+
+def _secrets_in(text: str, secrets: list[str], users: list[str]) -> list[str]:
+    """Each secret found in ``text`` as is or base64-encoded (alone, or as the
+    ``user:password`` of a Basic header or an auth file)."""
+    found = []
+    for secret in secrets:
+        forms = {secret, base64.b64encode(secret.encode()).decode()}
+        forms |= {base64.b64encode(f"{u}:{secret}".encode()).decode() for u in users}
+        found += [secret[:4] + "..." for form in forms if form in text]
+    return found
+
+
 def test_no_credential_or_token_reaches_a_log_an_argv_or_a_job(
     token_registry: Registry,
     token_service: TokenService,
     make_sif: Callable[[dict[str, str]], Path],
     tmp_path: Path,
 ) -> None:
+    """A SIF pull and a docker:// conversion (skopeo, with an auth file), every
+    execve traced."""
+    need("umoci", "skopeo", "busybox")
     token_registry.client().push_sif("library/secretive", "1", make_sif({"s": "1"}))
+    (tmp_path / "oci").mkdir()
+    push_oci_image(token_registry, tmp_path / "oci", "library/secret-oci")
     (tmp_path / "site").mkdir()
     site = token_registry.write_site(tmp_path / "site")
     conf = site.read_text().replace(f"state_dir: {tmp_path / 'site' / 'state'}", "state_dir: {run}")
     conf += f"hook_log: {tmp_path / 'hooks.log'}\n"
     (tmp_path / "node").mkdir()
-    seen_argv: set[str] = set()
-    stop = threading.Event()
-
-    def watch_argv() -> None:  # every process's command line, while the job runs
-        while not stop.is_set():
-            for p in Path("/proc").iterdir():
-                with contextlib.suppress(OSError):
-                    seen_argv.add((p / "cmdline").read_bytes().decode(errors="replace"))
-            time.sleep(0.02)
-
-    watcher = threading.Thread(target=watch_argv, daemon=True)
+    trace = tmp_path / "execve.trace"
     issued = len(token_service.issued)
-    with started_daemon(tmp_path / "node", conf) as (run, cfg, _):
-        watcher.start()
-        try:
-            status, err, _ = ask_daemon(
-                run / "daemon.sock",
-                "tfimage-prolog",
-                f"--config={cfg}",
-                "--job=7",
-                "--image=secretive:1",
-            )
-            assert status == 0, err
+    with started_daemon(tmp_path / "node", conf) as (run, cfg, daemon):
+        with execs_traced(daemon.pid, trace):
+            for job, image in (("7", "secretive:1"), ("8", "docker://secret-oci:1")):
+                status, err, _ = ask_daemon(
+                    run / "daemon.sock",
+                    "tfimage-prolog",
+                    f"--config={cfg}",
+                    f"--job={job}",
+                    f"--image={image}",
+                    timeout=120,
+                )
+                assert status == 0, err
             status, err, out = ask_daemon(
                 run / "daemon.sock",
                 "--config",
@@ -426,25 +467,36 @@ def test_no_credential_or_token_reaches_a_log_an_argv_or_a_job(
                 "--layout=SLURM_STEP_ID=0",
             )
             assert status == 0, err
-        finally:
-            stop.set()
-            watcher.join()
-            ask_daemon(run / "daemon.sock", "tfimage-epilog", f"--config={cfg}", "--job=7")
+        for job in ("7", "8"):
+            ask_daemon(run / "daemon.sock", "tfimage-epilog", f"--config={cfg}", f"--job={job}")
         daemon_log = (tmp_path / "node" / "daemon.log").read_text()
     tokens = token_service.issued[issued:]
     assert tokens  # the pull did go through the token flow
+    execs = trace.read_text()
+    assert "skopeo" in execs and "umoci" in execs  # the conversion ran, traced
     job_env = out.decode()  # the argv prefix and every task's variables
     assert "TF_CONFIG" in job_env
     hooks_log = (tmp_path / "hooks.log").read_text()
     assert "job 7: " in hooks_log and "pulled from" in hooks_log
-    for secret in [token_registry.password, *tokens]:
-        for where, text in [
-            ("hooks.log", hooks_log),
-            ("daemon log", daemon_log),
-            ("step-prepare's answer", job_env + err),
-            ("a process's argv", "\n".join(seen_argv)),
-        ]:
-            assert secret not in text, f"a secret in {where}"
+    assert "job 8: docker://" in hooks_log and "pulled from" in hooks_log.split("job 8: ")[1]
+    for where, text in [
+        ("hooks.log", hooks_log),
+        ("daemon log", daemon_log),
+        ("step-prepare's answer", job_env + err),
+        ("an execve's argv or environment", execs),
+    ]:
+        secrets = [token_registry.password, *tokens]
+        assert not _secrets_in(text, secrets, [token_registry.username]), f"a secret in {where}"
+
+
+def test_the_secret_search_finds_each_form_it_looks_for() -> None:
+    """The oracle above, shown to see a secret in each form it claims to."""
+    pw, users = "s3cret-pass", ["robot$x"]
+    basic = base64.b64encode(b"robot$x:" + pw.encode()).decode()
+    assert _secrets_in(f'execve("/bin/x", ["x", "{pw}"])', [pw], users)
+    assert _secrets_in(f'"AUTH=Basic {basic}"', [pw], users)
+    assert _secrets_in(base64.b64encode(pw.encode()).decode(), [pw], users)
+    assert not _secrets_in("nothing here", [pw], users)
 
 
 # --- tfimage-hook and the daemon: never a second run, never a worker past its time ----
