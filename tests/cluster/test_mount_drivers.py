@@ -94,6 +94,31 @@ def test_the_policy_mounts_trusted_images_with_the_kernel_and_others_with_fuse(
     assert left == [] and "sha256-" not in loops, (left, loops)
 
 
+def test_a_trusted_name_with_an_untrusted_images_digest_is_mounted_by_fuse(
+    cluster: Cluster, workdir: Path
+) -> None:
+    """The real path: tiny:1.0's bytes, cached on n1 from library/tiny (not trusted),
+    named by a job as library/tf-custom@<their digest> (a trusted name).  Trust
+    follows where the bytes came from, so the kernel never parses them."""
+    _forget(cluster, "tiny:1.0")
+    cached = cluster.run(["srun", "-N1", "-w", "n1", "--tf-image=tiny:1.0", "true"], cwd=workdir)
+    assert cached.returncode == 0, cached.stderr
+    ref = cluster.run(["tfimage", "resolve", "tiny:1.0"], as_root=True).stdout.strip()
+    digest = ref.rpartition("@")[2]
+    assert digest.startswith("sha256:"), ref
+    with cluster.config_with(**POLICY):
+        p, job = _waiting_job(cluster, workdir, f"library/tf-custom@{digest}")
+        try:
+            mounts = _image_mounts(cluster, "n1", job)
+            loops = _loops(cluster, "n1")
+        finally:
+            (workdir / "go").touch()
+            _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    assert [m[0] for m in mounts.values()] == ["fuse.squashfuse_ll"], mounts
+    assert "sha256-" not in loops, loops  # no loop device: the kernel never read it
+
+
 def test_a_job_cancelled_mid_step_leaves_no_mount_and_no_loop_device(
     cluster: Cluster, workdir: Path
 ) -> None:
