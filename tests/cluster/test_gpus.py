@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from conftest import Cluster
 from gpus import gpu, healthy_node
 
@@ -217,6 +218,35 @@ def test_a_gpu_fault_drains_its_node_the_job_runs_elsewhere_and_resume_waits_for
     r = cluster.on_node("n2", [TFIMAGE, "gpu", "resume", "--node", "n2"])
     assert r.returncode == 1 and "drained by someone else (site: disk swap)" in r.stderr, r.stderr
     assert _state_and_reason(cluster, "n2") == ("drained", site)
+
+
+@pytest.mark.parametrize(
+    ("fault", "timeout", "said"),
+    [
+        ({"signal": 9}, None, "the NVML reading failed: exit status -9"),
+        ({}, 0.001, "the NVML reading did not start within 0.001 s"),
+    ],
+    ids=["reading killed by the OOM killer", "reading not started within its bound"],
+)
+def test_a_gpu_reading_that_fails_for_tfimages_own_reasons_drains_nothing(
+    gpu_nodes: Cluster, workdir: Path, fault: dict[str, Any], timeout: float | None, said: str
+) -> None:
+    """Not a GPU fault, so not a drain: the job runs where Slurm put it, the prolog
+    says why it could not check, and the node stays in service in Slurm's eyes."""
+    cluster = gpu_nodes
+    _set_gpus(cluster, "n1", {**healthy_node("n1"), **fault})
+    site = yaml.safe_load(Path(cluster.env["TFIMAGE_CONFIG"]).read_text())
+    gpu_section = {**site.get("gpu", {}), **({"timeout": timeout} if timeout else {})}
+    before = len(cluster.hooks_log("n1"))
+    with cluster.config_with(gpu=gpu_section):
+        r = cluster.run(
+            ["srun", "-N1", "-w", "n1", "--gres=gpu:1", "hostname"], cwd=workdir, timeout=120
+        )
+    assert r.returncode == 0 and r.stdout.strip() == "n1", r.stderr
+    new = cluster.hooks_log("n1")[before:]
+    assert any(said in line for line in new), new
+    assert not any("drained" in line for line in new), new
+    cluster.assert_never_drained("n1")
 
 
 def test_the_roles_health_check_drains_a_faulty_node_as_slurmd_would_run_it(
