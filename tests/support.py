@@ -61,6 +61,28 @@ class Registry:
             token_realms=self.token_realms,
         )
 
+    def digest_of(self, repository: str, tag: str) -> str:
+        """The digest the registry itself serves for ``repository:tag``: the sha256 of
+        the manifest bytes, fetched with the standard library alone, so that a test's
+        expected value never comes from tfimage's own client or cache."""
+        import hashlib
+        import ssl
+        import urllib.request
+
+        accept = (
+            "application/vnd.oci.image.manifest.v1+json, "
+            "application/vnd.docker.distribution.manifest.v2+json, "
+            "application/vnd.oci.image.index.v1+json"
+        )
+        token = base64.b64encode(f"{self.username}:{self.password}".encode()).decode()
+        req = urllib.request.Request(
+            f"https://{self.host}/v2/{repository}/manifests/{tag}",
+            headers={"Accept": accept, "Authorization": f"Basic {token}"},
+        )
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        with urllib.request.urlopen(req, context=ctx, timeout=30) as resp:
+            return "sha256:" + hashlib.sha256(resp.read()).hexdigest()
+
     def write_site(self, d: Path, **extra: str) -> Path:
         """A tfimage config + credentials for this registry; returns the config path."""
         creds = d / "credentials.yaml"

@@ -74,7 +74,7 @@ def test_prune_under_load_never_removes_a_held_image(
             if out.exists() and "start" in out.read_text():
                 break
             time.sleep(0.2)
-        held = [e for e in _cache_ls(cluster, str(squeezed)) if job in str(e.get("holders"))]
+        held = [e for e in _cache_ls(cluster, str(squeezed)) if job in (e.get("holders") or [])]
         assert len(held) == 1, "the running job holds no cache entry"
         digest = held[0]["digest"]
 

@@ -71,14 +71,15 @@ def test_tf_settings(tmp_path: Path) -> None:
     assert cfg.tf_port_range == (30000, 30100)
     assert cfg.site_env == {"NCCL_DEBUG": "WARN"}
     assert load_config(write(tmp_path, "")).site_env == {"TF_FORCE_GPU_ALLOW_GROWTH": "true"}
-    for bad in (
-        "tf_port_range: [10, 20]\n",
-        "site_env: {'bad name': x}\n",
-        "site_env: {A: 1}\n",
-        "single_task_tf_config: yes-please\n",
+    for bad, key in (
+        ("tf_port_range: [10, 20]\n", "tf_port_range"),
+        ("site_env: {'bad name': x}\n", "site_env"),
+        ("site_env: {A: 1}\n", "site_env"),
+        ("single_task_tf_config: yes-please\n", "single_task_tf_config"),
     ):
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError) as e:
             load_config(write(tmp_path, bad))
+        assert key in str(e.value), (bad, str(e.value))  # names the setting at fault
 
 
 @pytest.mark.parametrize(

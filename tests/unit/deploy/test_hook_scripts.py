@@ -94,3 +94,52 @@ def test_a_hook_run_directly_takes_the_first_variable_that_is_set() -> None:
     assert wire.hook_default(gpus, {"SLURM_JOB_GPUS": "2", "CUDA_VISIBLE_DEVICES": "0"}) == "2"
     assert wire.hook_default(gpus, {"SLURM_JOB_GPUS": "", "CUDA_VISIBLE_DEVICES": "3"}) == "3"
     assert wire.hook_default(gpus, {}) == ""
+
+
+# The wire's table spelled out by hand from Slurm's prolog and epilog environment
+# (slurm.conf(5), "Prolog and Epilog Scripts"), not computed from it: the tests above
+# take the table as given, so a flag read from the wrong variable would pass them.
+# --uid is slurmd's SLURM_JOB_UID and never anything a job can set.
+SLURMS_OWN = {
+    "tfimage-prolog": [
+        ("--job", "SLURM_JOB_ID"),
+        ("--image", "SPANK_TFIMAGE_IMAGE"),
+        ("--node", "SLURMD_NODENAME"),
+        ("--gpus", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"),
+        ("--mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+        ("--uid", "SLURM_JOB_UID"),
+    ],
+    "tfimage-epilog": [
+        ("--job", "SLURM_JOB_ID"),
+        ("--image", "SPANK_TFIMAGE_IMAGE"),
+        ("--asked", "SPANK__SLURM_SPANK_OPTION_tfimage_tf_image"),
+        ("--node", "SLURMD_NODENAME"),
+        ("--user", "SLURM_JOB_USER"),
+        ("--uid", "SLURM_JOB_UID"),
+        ("--account", "SLURM_JOB_ACCOUNT"),
+        ("--partition", "SLURM_JOB_PARTITION"),
+        ("--array-job", "SLURM_ARRAY_JOB_ID"),
+        ("--array-task", "SLURM_ARRAY_TASK_ID"),
+        ("--exit", "SLURM_JOB_EXIT_CODE2"),
+        ("--exit-raw", "SLURM_JOB_EXIT_CODE"),
+        ("--gpus", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"),
+        ("--mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+    ],
+}
+
+
+@pytest.mark.parametrize("prog", wire.HOOKS)
+def test_the_wires_hook_table_reads_the_variables_slurm_itself_sets(prog: str) -> None:
+    table = [(f.name, *f.env) for f in wire.HOOK_FLAGS[prog]]
+    assert table == SLURMS_OWN[prog]
+
+
+@pytest.mark.parametrize("prog", wire.HOOKS)
+def test_a_script_given_slurms_variables_sends_each_value_under_its_flag(
+    tmp_path: Path, prog: str
+) -> None:
+    """Every variable set at once, each to a value of its own: each flag carries the
+    value of the first variable SLURMS_OWN names for it."""
+    environ = {var: f"v-{var}" for row in SLURMS_OWN[prog] for var in row[1:]}
+    sent = dict(a.split("=", 1) for a in _sent(_script(tmp_path, prog), environ)[1:])
+    assert sent == {row[0]: f"v-{row[1]}" for row in SLURMS_OWN[prog]}

@@ -27,6 +27,7 @@ from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.core.config import load_config
 from tfimage.agent.core.errors import (
     CacheError,
+    ImageNotFound,
     RegistryError,
     RegistryStalled,
     RegistryUnreachable,
@@ -617,8 +618,14 @@ def test_a_4xx_from_the_registry_is_final_and_no_mirror_is_asked(
     primary.serve(blob, status=status)
     mirror.serve(blob)
     pull = _with_mirrors(cache_for, primary, [mirror.host], tmp_path)
-    with pytest.raises(RegistryError):
+    with pytest.raises(RegistryError) as e:
         pull.ensure(pull.cfg.reference("x:1"))
+    # The registry's own answer, said as such; never a mirror's "unreachable".
+    said = {404: f"{primary.host}/library/x:1: not found",
+            403: f"{primary.host}/library/x: manifest request failed (403)"}  # fmt: skip
+    assert str(e.value) == said[status]
+    assert isinstance(e.value, ImageNotFound) == (status == 404)
+    assert not isinstance(e.value, RegistryUnreachable)
     assert mirror.b.seen == []
 
 

@@ -46,10 +46,13 @@ def test_the_proxy_gives_each_robot_its_own_project_and_no_other(
     site.push_sif("library/base", "1", make_sif({"etc/x": "site\n"}))
     assert team.manifest("team-a/sdk", "1").digest.startswith("sha256:")
     assert site.manifest("library/base", "1").digest.startswith("sha256:")
-    with pytest.raises(RegistryError):
+    with pytest.raises(RegistryError) as e1:
         site.manifest("team-a/sdk", "1")
-    with pytest.raises(RegistryError):
+    with pytest.raises(RegistryError) as e2:
         team.manifest("library/base", "1")
+    host = project_registry.host
+    assert str(e1.value) == f"{host}: authentication refused for repository:team-a/sdk:pull"
+    assert str(e2.value) == f"{host}: authentication refused for repository:library/base:pull"
 
 
 def test_a_node_reads_each_project_with_its_robot_and_the_rest_with_the_hosts(
@@ -73,8 +76,11 @@ def test_a_node_reads_each_project_with_its_robot_and_the_rest_with_the_hosts(
     # With the host's robot alone the team's project is out of reach.
     (tmp_path / "host-only").mkdir()
     only = load_config(_site(project_registry, tmp_path / "host-only", team_key=False))
-    with pytest.raises(RegistryError):
+    with pytest.raises(RegistryError) as e3:
         Puller(ImageCache(only)).ensure(only.reference("team-a/tiny:1.0"))
+    assert str(e3.value) == (
+        f"{project_registry.host}: authentication refused for repository:team-a/tiny:pull"
+    )
 
 
 @pytest.mark.parametrize("key", ["harbor.example/Team-A", "harbor.example//x", "a b/team"])

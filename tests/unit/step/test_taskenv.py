@@ -136,21 +136,34 @@ def test_tf_config_nccl_and_site_defaults() -> None:
     assert te.set["TF_FORCE_GPU_ALLOW_GROWTH"].value == "true"
 
 
-def test_user_values_are_never_overridden() -> None:
-    env = env_for(
-        "n[1-2]",
-        "1(x2)",
-        0,
-        0,
-        SLURM_STEP_RESV_PORTS="20000",
-        TF_CONFIG='{"mine": 1}',
-        TF_FORCE_GPU_ALLOW_GROWTH="false",
-    )
+OURS = ("TF_CONFIG", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "TF_FORCE_GPU_ALLOW_GROWTH")
+
+
+def _offering_all(tmp_path: Path, **user: str) -> tuple[dict[str, str], dict[str, str]]:
+    """A step for which tfimage offers every one of OURS: two nodes, an interface
+    that routes, an active InfiniBand port and a site default."""
+    root = tmp_path / "infiniband"
+    _hca(root, "mlx5_0", {"1": "4: ACTIVE"})
+    env = env_for("n[1-2]", "1(x2)", 0, 0, SLURM_STEP_RESV_PORTS="20000", **user)
     te = task_env(
-        env, site_env={"TF_FORCE_GPU_ALLOW_GROWTH": "true"}, interface_of=lambda host: None
+        env,
+        site_env={"TF_FORCE_GPU_ALLOW_GROWTH": "true"},
+        interface_of=lambda host: "ib0",
+        ib_sysfs=root,
     )
-    assert "TF_CONFIG" not in te.set and "TF_CONFIG" in te.kept
-    assert "TF_FORCE_GPU_ALLOW_GROWTH" not in te.set
+    return {k: v.value for k, v in te.set.items()}, te.kept
+
+
+def test_without_user_values_tfimage_offers_each_variable(tmp_path: Path) -> None:
+    offered, _ = _offering_all(tmp_path)
+    assert set(OURS) <= set(offered)
+
+
+@pytest.mark.parametrize("name", OURS)
+def test_a_value_the_user_set_is_never_overridden(tmp_path: Path, name: str) -> None:
+    offered, kept = _offering_all(tmp_path, **{name: "the-users-own"})
+    assert name not in offered and name in kept, offered
+    assert set(OURS) - {name} <= set(offered)  # the others are still offered
 
 
 def test_single_task_gets_no_tf_config_unless_configured() -> None:
