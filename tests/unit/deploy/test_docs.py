@@ -100,3 +100,15 @@ def test_the_front_page_is_short_and_links_every_guide() -> None:
     assert len(readme.splitlines()) <= 100
     for guide in ("user", "admin", "operator", "developer", "config", "cli"):
         assert f"(docs/{guide}.md)" in readme
+
+
+def test_every_test_the_docs_name_exists() -> None:
+    named = [
+        (page.name, path, name)
+        for page in PAGES
+        for path, name in re.findall(r"(tests/[\w/]+\.py)::(\w+)", page.read_text())
+    ]
+    assert len(named) >= 8
+    for page, path, name in named:
+        source = REPO / path
+        assert source.exists() and f"def {name}(" in source.read_text(), f"{page}: {path}::{name}"
