@@ -33,7 +33,6 @@ from tfimage.agent.core.errors import (
     VerificationError,
 )
 from tfimage.agent.core.reference import Reference
-from tfimage.agent.core.sif import has_magic
 
 if TYPE_CHECKING:  # the registry client (and its transport) load only when needed
     from tfimage.agent.registry.artifact import SifLayer
@@ -234,14 +233,11 @@ class Puller:
         connection) is a prefix of the blob (download.py): it is hashed, and the rest
         asked for, over ``connections`` connections.
         """
-        import hashlib  # a cache hit, the launch path, never hashes
-
         from tfimage.agent.cache import download
+        from tfimage.agent.cache.verify import NOT_SIF, SHORT, BlobCheck
 
         digest, size = layer.digest, layer.size
-        h = hashlib.sha256()
-        head = bytearray()
-        got = 0
+        check = BlobCheck(digest, size)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "r+b") as out:
             if not stat.S_ISREG(os.fstat(out.fileno()).st_mode):
@@ -251,15 +247,11 @@ class Puller:
             out.truncate(kept)
 
             def consume(block: memoryview) -> None:
-                nonlocal got
-                if len(head) < 64:
-                    head.extend(block[: 64 - len(head)])
-                h.update(block)
-                got += len(block)
+                check.update(block)
                 if progress:
-                    progress(got, size)
+                    progress(check.got, size)
 
-            while got < kept and (block := out.read(min(CHUNK, kept - got))):
+            while check.got < kept and (block := out.read(min(CHUNK, kept - check.got))):
                 consume(memoryview(block))
             clients = [client] + [self._client_factory(client.host) for _ in range(connections - 1)]
             download.Download(
@@ -268,13 +260,14 @@ class Puller:
                 digest,
                 size,
                 tmp,
-                got,
+                check.got,
                 self.cfg.pull_stripe_bytes,
             ).run(consume)
-            if got != size:
-                raise RegistryUnreachable(f"{ref.name}: got {got} of {size} bytes")
-            if "sha256:" + h.hexdigest() != digest:
-                raise VerificationError(f"{ref.name}: sha256 of the download does not match")
-            if not has_magic(bytes(head)):
+            problem = check.problem()
+            if problem == SHORT:
+                raise RegistryUnreachable(f"{ref.name}: got {check.got} of {size} bytes")
+            if problem == NOT_SIF:
                 raise VerificationError(f"{ref.name}: the download is not a SIF file")
+            if problem is not None:
+                raise VerificationError(f"{ref.name}: sha256 of the download does not match")
             os.fsync(out.fileno())
