@@ -22,7 +22,7 @@ from typing import Any
 
 from tfimage.agent.cache.evict import in_use
 from tfimage.agent.cache.store import ImageCache
-from tfimage.agent.core import wire
+from tfimage.agent.core import layout, wire
 from tfimage.agent.core.config import Config, load_config
 from tfimage.agent.core.errors import InputError, NodeFault, TfimageError, cause
 from tfimage.agent.core.ids import valid_job_id
@@ -91,6 +91,7 @@ def _cleanup(
         ("checking its GPUs", gpus),
         ("unmounting", lambda: stuck.extend(release_job(cfg.state_dir, job_id))),
         ("releasing its images", lambda: ImageCache(cfg).release(job_id)),
+        ("removing what was staged for it", lambda: discard_staged_of_job(cfg, job_id)),
         ("unmounting images no job uses", lambda: stuck.extend(_unused(cfg))),
         ("dropping its GPU baseline", lambda: drop_baseline(cfg.state_dir, job_id)),
         ("recording its usage", lambda: _record(cfg, slurm, facts, after)),
@@ -103,6 +104,13 @@ def _cleanup(
     for target in stuck:
         log.error("job %s: %s was busy; detached it lazily", job_id, target)
     return fault[0] if fault else None
+
+
+def discard_staged_of_job(cfg: Config, job_id: str) -> None:
+    """What was staged for a job cancelled before its prolog took it (staged.py)."""
+    for path in layout.cache_staged_of_job(cfg.cache_dir, job_id):
+        if not path.is_dir():
+            path.unlink(missing_ok=True)
 
 
 def _unused(cfg: Config) -> list[str]:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tfimage.agent.cache.store import STAGED_SOURCE as STAGED
 from tfimage.agent.core.config import Config, load_config
 from tfimage.agent.core.deadline import deadline
 from tfimage.agent.core.errors import InputError, NodeFault, TfimageError, cause
@@ -73,16 +74,22 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
         note(
             image=str(got.ref),
             repository=got.ref.repository,
-            cache="hit" if got.hit else "miss",
+            cache="hit" if got.hit else "staged" if got.source == STAGED else "miss",
             pull_seconds=round(got.seconds, 3),
-            pull_bytes=0 if got.hit else got.size,
+            pull_bytes=got.size if not got.hit and got.source != STAGED else 0,
             source=got.source,
         )
+        if got.refused:
+            log.warning("job %s: %s", job_id, got.refused)
         log.info(
             "job %s: %s %s in %.2f s",
             job_id,
             got.ref,
-            "cache hit" if got.hit else f"pulled from {got.source}",
+            "cache hit"
+            if got.hit
+            else "adopted the copy staged for the job"
+            if got.source == STAGED
+            else f"pulled from {got.source}",
             got.seconds,
         )
     except Exception as e:  # recorded for the job's steps by prepare_job

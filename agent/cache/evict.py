@@ -137,15 +137,18 @@ def stale_partials(
     cache: ImageCache, *, dry_run: bool = False, now: float | None = None
 ) -> list[Path]:
     """What interrupted pulls left in ``tmp/`` (downloads ``sha256-*.partial``,
-    conversions ``convert-sha256-*`` and ``sha256-*.converted``: a pull killed at
-    its deadline, a crash) alone for the minimum age, whose digest no pull holds
-    now; removed unless ``dry_run``."""
+    conversions ``convert-sha256-*`` and ``sha256-*.converted``, adoptions
+    ``sha256-*.adopting``: a pull killed at its deadline, a crash) and copies staged
+    in ``staged/`` that no job took, alone for the minimum age, whose digest no pull
+    holds now; removed unless ``dry_run``."""
     now = time.time() if now is None else now
     gone = []
     for path in layout.cache_leftovers(cache.root):
         work_dir = path.name.startswith(layout.CONVERT_PREFIX)
         if work_dir and (not path.is_dir() or path.is_symlink()):
             continue  # only root writes tmp/: a link there is left for an operator
+        if path.parent.name == "staged" and path.is_dir() and not path.is_symlink():
+            continue  # staged/ holds files alone: a directory there is left for an operator
         # The digest's lock, by its key: the pull at work on it holds that.
         key = path.name.removeprefix(layout.CONVERT_PREFIX)[: layout.KEY_LENGTH]
         try:

@@ -48,7 +48,9 @@ class CachedImage:
     size: int
     hit: bool
     seconds: float
-    source: str | None = None  # the registry or mirror that served it (None: cache hit)
+    source: str | None = None  # the registry or mirror that served it (None: cache hit;
+    # staged.SOURCE: a copy staged for the job)
+    refused: str | None = None  # why a copy staged for the job was not taken
 
 
 def _client(cfg: Config, host: str) -> RegistryClient:
@@ -69,6 +71,7 @@ class Puller:
         # tag, or wait on another's download, never import requests, and the one
         # that downloads reads straight into its buffers (transport.py).
         self._client_factory = client_factory or (lambda host: _client(cache.cfg, host))
+        self._refused: str | None = None
 
     def ensure(
         self, ref: Reference, progress: Progress | None = None, job: str | None = None
@@ -85,7 +88,14 @@ class Puller:
             # Pinned and present: no registry round trip, not even an import.
             path = cache.path_of(ref.digest)
             cache.touch(ref, ref.digest, job=job)
+            if job:  # a copy staged for the job is not needed: gone (two unlinks)
+                for staged_file in layout.cache_staged(cache.root, ref.digest, job):
+                    discard(staged_file)
             return CachedImage(ref, path, path.stat().st_size, True, time.monotonic() - started)
+        if ref.digest and job:
+            adopted = self._adopt(ref, job, started)
+            if adopted is not None:
+                return adopted
         last: RegistryUnreachable | None = None
         for host in self.cfg.sources(ref):
             try:
@@ -134,9 +144,29 @@ class Puller:
                 hit,
                 time.monotonic() - started,
                 None if hit else host,
+                self._refused,
             )
         assert last is not None
         raise last
+
+    def _adopt(self, ref: Reference, job: str, started: float) -> CachedImage | None:
+        """The copy staged for ``job`` (staged.py), published if it is exactly ``ref``;
+        None when there was none to take or it was refused (then ``refused`` says why
+        on the pull that follows)."""
+        assert ref.digest
+        cache = self.cache
+        with cache.lock(ref.digest):
+            path = cache.path_of(ref.digest)
+            if path.exists():  # another job's pull just published it
+                return None
+            from tfimage.agent.cache import staged
+
+            why = staged.adopt(cache, ref, job, self.cfg.staging_owners())
+            if why is None:
+                return CachedImage(ref, path, path.stat().st_size, False,
+                                   time.monotonic() - started, staged.SOURCE)  # fmt: skip
+        self._refused = why or None
+        return None
 
     def _ask(self, host: str, ref: Reference, into: list[tuple[RegistryClient, Manifest]]) -> str:
         """The tag's digest from ``host``; the client and manifest go ``into`` the list,

@@ -16,6 +16,8 @@ import contextlib
 import json
 import math
 import os
+import pwd
+import stat
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, replace
@@ -30,6 +32,8 @@ from tfimage.agent.core.posixacl import XATTR, restrict
 from tfimage.agent.core.reference import Reference
 
 CHUNK = 1 << 20
+# An entry's source when its bytes came from a copy staged for a job (staged.py).
+STAGED_SOURCE = "staged"
 
 
 def _strings(value: object) -> tuple[str, ...]:
@@ -121,6 +125,20 @@ class ImageCache:
         self.root.mkdir(mode=0o755, exist_ok=True, parents=True)
         for sub in layout.CACHE_DIRS:
             (self.root / sub).mkdir(mode=0o755, exist_ok=True)
+        self._staged_dir()
+
+    def _staged_dir(self) -> None:
+        """``staged/``, Slurm's user's (0755): it writes there, users cannot."""
+        staged = layout.cache_staged_dir(self.root)
+        with contextlib.suppress(FileExistsError):
+            staged.mkdir(mode=0o755)
+        if os.geteuid() != 0:
+            return
+        st = staged.lstat()
+        owners = self.cfg.staging_owners() - {0}
+        if stat.S_ISDIR(st.st_mode) and owners and st.st_uid not in owners:
+            uid = next(iter(owners))
+            os.chown(staged, uid, pwd.getpwuid(uid).pw_gid, follow_symlinks=False)
 
     def path_of(self, digest: str) -> Path:
         return layout.cache_sif(self.root, digest)

@@ -86,14 +86,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([e.to_json() for e in entries], sort_keys=True))
         return 0
-    print(f"{'DIGEST':<19}  {'SIZE':>9}  {'LAST USED':<19}  {'KEEP':<4}  {'HELD BY':<10}  REFS")
+    # -v: where each entry's bytes came from (a registry, a mirror, or "staged": a copy
+    # staged for a job) and the repository they were pulled as (kernel-mount trust).
+    verbose = getattr(args, "verbose", False)
+    extra = f"  {'SOURCE':<21}  {'ORIGIN':<30}" if verbose else ""
+    print(
+        f"{'DIGEST':<19}  {'SIZE':>9}  {'LAST USED':<19}  {'KEEP':<4}  {'HELD BY':<10}{extra}  REFS"
+    )
     for e in sorted(entries, key=lambda e: -e.last_used):
         used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.last_used))
         size = f"{e.size / (1 << 20):.1f}M"
         held = ",".join(e.holders) or "-"
         keep = "yes" if e.kept else "-"
+        where = f"  {e.source or '-':<21}  {e.origin or '-':<30}" if verbose else ""
         print(
-            f"{e.digest[:19]:<19}  {size:>9}  {used:<19}  {keep:<4}  {held:<10}  "
+            f"{e.digest[:19]:<19}  {size:>9}  {used:<19}  {keep:<4}  {held:<10}{where}  "
             f"{', '.join(e.refs)}"
         )
     return 0
@@ -250,7 +257,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], pull: Han
         p.set_defaults(func=handler)
         return p
 
-    add("ls", cmd_ls, "list cached images: size, last use, kept, holding jobs, refs")
+    add("ls", cmd_ls, "list cached images: size, last use, kept, holding jobs, refs").add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also where each image's bytes came from (a registry, a mirror, or staged) "
+        "and the repository they were pulled as",
+    )
     add("pull", pull, "pull an image into the cache").add_argument(
         "ref", help="image reference, e.g. tf-custom:2.0 or project/name@sha256:..."
     )

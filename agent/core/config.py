@@ -53,6 +53,9 @@ class Config:
     # Slurm's PrologEpilogTimeout (the role and doctor check).
     hook_deadline: float = float(wire.DEFAULT_HOOK_DEADLINE)
     hook_log: str = "/var/log/tfimage/hooks.log"
+    # Slurm's user (slurm.conf SlurmUser): besides root, the one owner a copy staged
+    # for a job may have (cache/staged.py), and the owner of cache_dir/staged/.
+    slurm_user: str = "slurm"
     # Token services (Bearer realms) that may receive the registry credentials, by
     # host name, besides the registry's own host.
     token_realms: tuple[str, ...] = ()
@@ -127,6 +130,15 @@ class Config:
         from tfimage.agent.core.sif import this_platform
 
         return self.platform or this_platform()
+
+    def staging_owners(self) -> frozenset[int]:
+        """Root's uid and Slurm's user's, where this node knows that user."""
+        import pwd
+
+        try:
+            return frozenset({0, pwd.getpwnam(self.slurm_user).pw_uid})
+        except KeyError:
+            return frozenset({0})
 
     def sources(self, ref: Reference) -> list[str]:
         """Where to fetch ``ref``: its registry, then (for the site's) the mirrors, in order."""

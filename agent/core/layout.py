@@ -36,6 +36,10 @@ Under ``cache_dir`` (root-owned, 0755; node-local disk)::
     tmp/sha256-<hex>.partial    a download in progress or interrupted (cache/pull.py)
     tmp/sha256-<hex>.converted  a conversion's SIF before it is verified
     tmp/convert-sha256-<hex>-*/ a conversion's work directory (cache/convert.py)
+    tmp/sha256-<hex>.adopting   a staged SIF taken by root while it is checked
+    staged/                     Slurm's user's, 0755: what was staged for a job
+        sha256-<hex>.<job>.manifest  the pinned manifest's bytes (cache/staged.py)
+        sha256-<hex>.<job>.sif       its SIF layer
 
 An image's key is ``sha256-<hex>``: its digest with ``:`` made a path character.
 Ids and digests are checked (``ids``) before they become a path: a ``ValueError``
@@ -197,15 +201,39 @@ def cache_convert_work(cache_dir: StrPath, digest: str) -> Path:
     return cache_tmp(cache_dir) / f"{CONVERT_PREFIX}{key(digest)}-"
 
 
+def cache_adopting(cache_dir: StrPath, digest: str) -> Path:
+    return cache_tmp(cache_dir) / f"{key(digest)}.adopting"
+
+
+def cache_staged_dir(cache_dir: StrPath) -> Path:
+    return Path(cache_dir) / "staged"
+
+
+def cache_staged(cache_dir: StrPath, digest: str, job_id: str) -> tuple[Path, Path]:
+    """The manifest and the SIF staged for job ``job_id``'s image ``digest``."""
+    stem = f"{key(digest)}.{_job(job_id)}"
+    d = cache_staged_dir(cache_dir)
+    return d / f"{stem}.manifest", d / f"{stem}.sif"
+
+
+def cache_staged_of_job(cache_dir: StrPath, job_id: str) -> list[Path]:
+    """Whatever was staged for job ``job_id``, any digest (the epilog removes it)."""
+    d = cache_staged_dir(cache_dir)
+    return sorted(d.glob(f"{KEY_PREFIX}*.{_job(job_id)}.*"))
+
+
 def cache_leftovers(cache_dir: StrPath) -> list[Path]:
-    """What pulls leave in ``tmp/`` (an interrupted one, for good), by name alone,
-    sorted: downloads, conversions' SIFs and their work directories."""
+    """What pulls leave in ``tmp/`` (an interrupted one, for good) and what was
+    staged and never adopted, by name alone, sorted: downloads, conversions' SIFs
+    and their work directories, adoptions cut short, staged files."""
     tmp = cache_tmp(cache_dir)
     return sorted(
         [
             *tmp.glob(f"{KEY_PREFIX}*.partial"),
             *tmp.glob(f"{KEY_PREFIX}*.converted"),
+            *tmp.glob(f"{KEY_PREFIX}*.adopting"),
             *tmp.glob(f"{CONVERT_PREFIX}{KEY_PREFIX}*"),
+            *cache_staged_dir(cache_dir).glob(f"{KEY_PREFIX}*"),
         ]
     )
 

@@ -44,6 +44,7 @@ PER_IMAGE = (
     ("pull_seconds", "Time the prolog spent readying the image (pull and check)."),
     ("cache_hits", "Jobs whose image was in the node cache already."),
     ("cache_misses", "Jobs whose image had to be pulled."),
+    ("cache_staged", "Jobs whose image was adopted from a copy staged for the job."),
 )
 NODE_COUNTERS = (
     ("cache_evictions", "Images evicted from the node cache."),
@@ -173,7 +174,7 @@ def count_job(rec: Mapping[str, Any]) -> Callable[[dict[str, Any]], None]:
     """The change one usage record makes."""
 
     def change(counters: dict[str, Any]) -> None:
-        readied = rec.get("cache") in ("hit", "miss")
+        readied = rec.get("cache") in record.CACHE_VALUES
         row = image_row(counters, rec.get("repository"), new=readied)
 
         def add(key: str, n: float) -> None:
@@ -188,6 +189,7 @@ def count_job(rec: Mapping[str, Any]) -> Callable[[dict[str, Any]], None]:
             add("pull_seconds", float(rec.get("pull_seconds") or 0.0))
         add("cache_hits", 1 if rec.get("cache") == "hit" else 0)
         add("cache_misses", 1 if rec.get("cache") == "miss" else 0)
+        add("cache_staged", 1 if rec.get("cache") == "staged" else 0)
 
     return change
 

@@ -11,7 +11,8 @@ Schema 1 (every key always present; ``null`` where unknown)::
     image           "reg/library/tf-custom:2.0@sha256:..."  pinned (what ran)
     repository      "library/tf-custom"   the image's repository (metrics' label)
     runtime         "charliecloud"
-    cache           "hit" | "miss" | null (never readied on this node)
+    cache           "hit" | "staged" | "miss" | null (never readied on this node):
+                    the node cache, a copy staged for the job, or the registry
     pull_seconds    4.2             pull_bytes  1048576 (0 on a hit)
     source          "harbor.example" | null    the registry or mirror that served it
     image_error     "..." | null    why the image could not be readied
@@ -52,6 +53,8 @@ FIELDS = (
     "pull_seconds", "pull_bytes", "source", "image_error", "gpus", "gpu_health", "start",
     "end", "wall_seconds", "state", "exit_code", "signal", "tf_workers",
 )  # fmt: skip
+
+CACHE_VALUES = ("hit", "staged", "miss")
 
 
 def iso(ts: float) -> str:
@@ -128,7 +131,7 @@ def build(
         "image": _text(facts.get("image") or slurm.get("image"), 1024),
         "repository": _text(facts.get("repository"), 256),
         "runtime": _text(facts.get("runtime"), 32),
-        "cache": facts.get("cache") if facts.get("cache") in ("hit", "miss") else None,
+        "cache": facts.get("cache") if facts.get("cache") in CACHE_VALUES else None,
         "pull_seconds": round(_num(facts.get("pull_seconds"), float) or 0.0, 3),
         "pull_bytes": _num(facts.get("pull_bytes"), int) or 0,
         "source": _text(facts.get("source"), 256),

@@ -37,6 +37,10 @@ S, C = "/run/tfimage", "/var/cache/tfimage"
         (layout.cache_lock(C, f"sha256-{HEX}"), f"{C}/locks/sha256-{HEX}.lock"),
         (layout.cache_partial(C, DIGEST), f"{C}/tmp/sha256-{HEX}.partial"),
         (layout.cache_converted(C, DIGEST), f"{C}/tmp/sha256-{HEX}.converted"),
+        (layout.cache_adopting(C, DIGEST), f"{C}/tmp/sha256-{HEX}.adopting"),
+        (layout.cache_staged_dir(C), f"{C}/staged"),
+        (layout.cache_staged(C, DIGEST, "42")[0], f"{C}/staged/sha256-{HEX}.42.manifest"),
+        (layout.cache_staged(C, DIGEST, "42")[1], f"{C}/staged/sha256-{HEX}.42.sif"),
         (layout.cache_convert_work(C, DIGEST), f"{C}/tmp/convert-sha256-{HEX}-"),
         (layout.cache_keep_list(C), f"{C}/keep.json"),
         (
