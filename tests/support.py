@@ -61,11 +61,10 @@ class Registry:
             token_realms=self.token_realms,
         )
 
-    def digest_of(self, repository: str, tag: str) -> str:
-        """The digest the registry itself serves for ``repository:tag``: the sha256 of
-        the manifest bytes, fetched with the standard library alone, so that a test's
-        expected value never comes from tfimage's own client or cache."""
-        import hashlib
+    def manifest_bytes(self, repository: str, tag: str) -> bytes:
+        """The manifest the registry itself serves for ``repository:tag``, fetched with
+        the standard library alone, so that a test's expected value never comes
+        from tfimage's own client or cache."""
         import ssl
         import urllib.request
 
@@ -81,7 +80,14 @@ class Registry:
         )
         ctx = ssl.create_default_context(cafile=str(self.ca))
         with urllib.request.urlopen(req, context=ctx, timeout=30) as resp:
-            return "sha256:" + hashlib.sha256(resp.read()).hexdigest()
+            body: bytes = resp.read()
+        return body
+
+    def digest_of(self, repository: str, tag: str) -> str:
+        """The digest the registry serves for ``repository:tag``: its manifest's sha256."""
+        import hashlib
+
+        return "sha256:" + hashlib.sha256(self.manifest_bytes(repository, tag)).hexdigest()
 
     def write_site(self, d: Path, **extra: str) -> Path:
         """A tfimage config + credentials for this registry; returns the config path."""

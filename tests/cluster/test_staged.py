@@ -1,0 +1,145 @@
+"""A copy staged on the job's nodes before their prologs run (as the controller's
+sbcast will leave it: issue 42), on the real cluster: adopted when it is exactly
+the pinned image, so a registry stopped meanwhile is never missed; a corrupt copy
+refused and the image pulled; a node that holds the image discards the copy."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from conftest import Cluster, busybox_sif, push, site_registry, write_script
+from test_promises import registry_stopped
+
+from support import wait_for
+from tfimage.agent.core import layout
+
+pytestmark = pytest.mark.cluster
+NODES = ("n1", "n2")
+
+
+def _stage(cluster: Cluster, node: str, digest: str, job: str, manifest: bytes, sif: bytes) -> None:
+    """Both files in the node's staged/, owned by Slurm's user as sbcast writes them."""
+    cache = cluster.state / "nodes" / node / "cache"
+    slurm = pwd.getpwnam("slurm")
+    staged = layout.cache_staged_dir(cache)
+    staged.mkdir(mode=0o755, exist_ok=True)
+    os.chown(staged, slurm.pw_uid, slurm.pw_gid)
+    for path, data in zip(layout.cache_staged(cache, digest, job), (manifest, sif), strict=True):
+        path.write_bytes(data)
+        os.chown(path, slurm.pw_uid, slurm.pw_gid)
+        path.chmod(0o644)
+
+
+@contextmanager
+def _held_job(cluster: Cluster, workdir: Path, image: str, name: str) -> Iterator[str]:
+    """A two-node job submitted held (pinned already), released by the caller's
+    block's end, waited for to its end."""
+    write_script(
+        workdir,
+        f"{name}.sh",
+        f"#!/bin/sh\n#SBATCH -N2 -n2 --tf-image={image} -o {name}.out\n"
+        "srun cat /etc/tfimage-test-image\n",
+        cluster.user,
+    )
+    r = cluster.run(["sbatch", "--hold", "--parsable", f"{name}.sh"], cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    try:
+        yield job
+    finally:
+        cluster.run(["scontrol", "release", job], as_root=True)
+        wait_for(
+            lambda: not cluster.run(["squeue", "-h", "-j", job], as_root=True).stdout.strip(),
+            timeout=240,
+            what=f"job {job} to end",
+            interval=0.5,
+        )
+
+
+def _record(cluster: Cluster, node: str, job: str) -> dict[str, object]:
+    """The node's usage record of ``job`` (its epilog writes it as the job ends)."""
+    path = cluster.state / "nodes" / node / "log" / "usage.jsonl"
+
+    def found() -> list[dict[str, object]]:
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [json.loads(x) for x in lines if json.loads(x)["job_id"] == job]
+
+    wait_for(lambda: bool(found()), timeout=30, what=f"job {job}'s record on {node}")
+    return found()[-1]
+
+
+@pytest.fixture
+def image(cluster: Cluster, tmp_path: Path) -> tuple[str, str, bytes, bytes]:
+    """A fresh image (on no node yet): its name, digest, manifest bytes and SIF."""
+    marker = f"staged-{os.urandom(4).hex()}"
+    sif = busybox_sif(tmp_path, marker)
+    name = f"{marker}:1"
+    digest = push(cluster, sif, name)
+    manifest = site_registry(cluster).manifest_bytes(f"library/{marker}", "1")
+    return name, digest, manifest, sif.read_bytes()
+
+
+def test_staged_copies_are_adopted_and_the_registry_is_not_needed(
+    cluster: Cluster, workdir: Path, image: tuple[str, str, bytes, bytes]
+) -> None:
+    name, digest, manifest, sif = image
+    marker = name.split(":")[0]
+    with _held_job(cluster, workdir, name, "adopt") as job:
+        for node in NODES:
+            _stage(cluster, node, digest, job, manifest, sif)
+        # From here no node could fetch a byte: a pull would fail the job.
+        with cluster.config_with(connect_timeout=1, read_timeout=2), registry_stopped(cluster):
+            cluster.run(["scontrol", "release", job], as_root=True)
+            wait_for(
+                lambda: not cluster.run(["squeue", "-h", "-j", job], as_root=True).stdout.strip(),
+                timeout=240,
+                what=f"job {job} to end",
+                interval=0.5,
+            )
+    assert (workdir / "adopt.out").read_text().split() == [marker, marker]
+    for node in NODES:
+        rec = _record(cluster, node, job)
+        assert (rec["cache"], rec["source"], rec["pull_bytes"]) == ("staged", "staged", 0), rec
+        assert any(
+            f"job {job}: " in line and "adopted the copy staged for the job" in line
+            for line in cluster.hooks_log(node)
+        )
+        cache = cluster.state / "nodes" / node / "cache"
+        assert not any(p.exists() for p in layout.cache_staged(cache, digest, job))
+        cluster.assert_never_drained(node)
+
+
+def test_a_corrupt_staged_copy_is_refused_and_the_node_pulls(
+    cluster: Cluster, workdir: Path, image: tuple[str, str, bytes, bytes]
+) -> None:
+    name, digest, manifest, sif = image
+    evil = bytearray(sif)
+    evil[-1] ^= 0xFF
+    with _held_job(cluster, workdir, name, "corrupt") as job:
+        _stage(cluster, "n2", digest, job, manifest, bytes(evil))
+    assert (workdir / "corrupt.out").read_text().split() == [name.split(":")[0]] * 2
+    rec = _record(cluster, "n2", job)
+    assert rec["cache"] == "miss" and rec["source"] == cluster.env["TFIMAGE_REGISTRY"], rec
+    log = [line for line in cluster.hooks_log("n2") if f"job {job}: " in line]
+    assert any("staged copy refused: SIF: its sha256 is not the layer's" in x for x in log), log
+    cluster.assert_never_drained("n2")
+
+
+def test_a_node_that_holds_the_image_discards_the_staged_copy(
+    cluster: Cluster, workdir: Path, image: tuple[str, str, bytes, bytes]
+) -> None:
+    name, digest, manifest, sif = image
+    with _held_job(cluster, workdir, name, "first"):
+        pass  # both nodes pull and hold it
+    with _held_job(cluster, workdir, name, "again") as job:
+        _stage(cluster, "n2", digest, job, manifest, sif)
+    rec = _record(cluster, "n2", job)
+    assert rec["cache"] == "hit", rec
+    cache = cluster.state / "nodes" / "n2" / "cache"
+    assert not any(p.exists() for p in layout.cache_staged(cache, digest, job))
