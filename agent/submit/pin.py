@@ -105,6 +105,31 @@ def _bounded() -> contextlib.AbstractContextManager[None]:
     return deadline(PIN_REGISTRY_SECONDS, "the registry", "its share of submit_timeout")
 
 
+def refuse_unseen(cfg: Config, ref: Reference, uid: int) -> None:
+    """ImageNotFound, worded as for a repository these credentials cannot read,
+    unless ``uid`` may run images of ``ref``'s repository (the config's access:
+    rules): a refused user learns nothing about what a private project holds."""
+    if not cfg.access:
+        return
+    from tfimage.agent.core.access import check
+
+    try:
+        check(cfg.access, ref.repository, uid)
+    except AccessDenied:
+        raise ImageNotFound(suggest.message(ref, None)) from None
+
+
+def user_clients(cfg: Config) -> Callable[[str], RegistryClient]:
+    """A client per registry host, with the credentials this process may use; the
+    stdlib transport (on srun's path: no requests)."""
+    from tfimage.agent.registry.access import client_for
+
+    def client_factory(host: str) -> RegistryClient:
+        return client_for(cfg, host, light=True)
+
+    return client_factory
+
+
 def pin(
     cfg: Config,
     ref: Reference,
@@ -121,15 +146,7 @@ def pin(
     is (the pin server's peer; by default this process's).
     """
     uid = os.geteuid() if uid is None else uid
-    if cfg.access:
-        from tfimage.agent.core.access import check
-
-        try:
-            check(cfg.access, ref.repository, uid)
-        except AccessDenied:
-            # Said as a repository these credentials cannot read is said: a refused
-            # user learns nothing about what a private project holds.
-            raise ImageNotFound(suggest.message(ref, None)) from None
+    refuse_unseen(cfg, ref, uid)
     if ref.digest:
         return ref, None
     if job_image:
@@ -138,11 +155,7 @@ def pin(
             if job_ref.digest and job_ref.unpinned == ref:
                 return job_ref, None
     if client_factory is None:
-        from tfimage.agent.registry.access import client_for
-
-        def client_factory(host: str) -> RegistryClient:
-            return client_for(cfg, host, light=True)  # on srun's path: no requests
-
+        client_factory = user_clients(cfg)
     seen = LastSeen(store or last_seen_file())
     key = str(ref.unpinned)
     try:

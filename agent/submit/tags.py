@@ -2,7 +2,7 @@
 registry, with the caller's own credentials, as a submission would see them.
 
 A repository the site's ``access:`` rules keep from the caller is answered exactly
-as one that does not exist (pin.py does the same at submit): a refused user learns
+as one that does not exist (pin.refuse_unseen, as at submit): a refused user learns
 nothing of what a private project holds.
 """
 
@@ -13,9 +13,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tfimage.agent.core.config import Config
-from tfimage.agent.core.errors import AccessDenied, ImageNotFound, InputError
+from tfimage.agent.core.errors import ImageNotFound, InputError
 from tfimage.agent.core.reference import Reference
 from tfimage.agent.submit import suggest
+from tfimage.agent.submit.pin import refuse_unseen, user_clients
 
 if TYPE_CHECKING:
     from tfimage.agent.registry.client import RegistryClient
@@ -38,20 +39,9 @@ def tags(
     """The repository ``text`` names, and its tags sorted (the registry's first five
     pages of them: client.tags)."""
     ref = repository(cfg, text)
-    uid = os.geteuid() if uid is None else uid
-    if cfg.access:
-        from tfimage.agent.core.access import check
-
-        try:
-            check(cfg.access, ref.repository, uid)
-        except AccessDenied:
-            raise ImageNotFound(suggest.message(ref, None)) from None
+    refuse_unseen(cfg, ref, os.geteuid() if uid is None else uid)
     if client_factory is None:
-        from tfimage.agent.registry.access import client_for
-
-        def client_factory(host: str) -> RegistryClient:
-            return client_for(cfg, host, light=True)
-
+        client_factory = user_clients(cfg)
     try:
         found = client_factory(ref.registry).tags(ref.repository)
     except ImageNotFound:
