@@ -101,6 +101,12 @@ class Cluster:
         path = workdir / out
         return r, path.read_text() if path.exists() else ""
 
+    def submit(self, workdir: Path, *args: str) -> str:
+        """``sbatch --parsable ARGS`` as the user from ``workdir``; the job's id."""
+        r = self.run(["sbatch", "--parsable", *args], cwd=workdir)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip().split(";")[0]
+
     def node_pid(self, node: str) -> int:
         return int((self.state / "run" / f"slurmd-{node}.pid").read_text())
 

@@ -81,10 +81,8 @@ def test_a_job_pinned_before_access_changed_is_refused_by_the_prolog_on_a_cache_
     os.chown(otherdir / "job.sh", pw.pw_uid, pw.pw_gid)
     wider = {"team-a/*": ["@team-a", other.user]}
     with cluster.config_with(access=wider):
-        r = other.run(["sbatch", "--parsable", "--hold", "-w", "n1", f"--tf-image={PRIVATE}",
-                       "-o", "out.txt", "job.sh"], cwd=otherdir)  # fmt: skip
-        assert r.returncode == 0, r.stderr
-        job = r.stdout.strip().split(";")[0]
+        job = other.submit(otherdir, "--hold", "-w", "n1", f"--tf-image={PRIVATE}",
+                           "-o", "out.txt", "job.sh")  # fmt: skip
     # Access is back to team-a only when the job starts.
     cluster.run(["scontrol", "release", job], as_root=True)
     for _ in range(300):

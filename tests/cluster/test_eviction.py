@@ -65,9 +65,7 @@ def test_prune_under_load_never_removes_a_held_image(
         "echo end $(cat /etc/tfimage-test-image)\n",
         cluster.user,
     )
-    sub = cluster.run(["sbatch", "--parsable", "hold.sh"], cwd=workdir)
-    assert sub.returncode == 0, sub.stderr
-    job = sub.stdout.strip().split(";")[0]
+    job = cluster.submit(workdir, "hold.sh")
     try:
         out = workdir / "hold.out"
         for _ in range(150):

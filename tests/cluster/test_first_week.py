@@ -122,9 +122,7 @@ def test_the_kill_switch_stops_new_tf_image_jobs_and_no_running_one(
         "srun -n1 cat /etc/tfimage-test-image\n",
         cluster.user,
     )
-    r = cluster.run(["sbatch", "--parsable", "before.sh"], cwd=workdir)
-    assert r.returncode == 0, r.stderr
-    job = r.stdout.strip().split(";")[0]
+    job = cluster.submit(workdir, "before.sh")
     try:
         wait_for(
             lambda: "RUNNING" in cluster.run(["squeue", "-h", "-j", job, "-o", "%T"]).stdout,

@@ -120,11 +120,7 @@ def test_a_gpu_tasks_container_lists_the_nodes_gpu_files_and_opens_only_its_own(
     (ConstrainDevices) lets it open its own two GPUs' files and nvidiactl alone.
     Another job holds GPUs 0 and 1, so its own are 2 and 3, numbered 0,1 for CUDA."""
     cluster = gpu_nodes
-    sub = cluster.run(
-        ["sbatch", "--parsable", "-w", "n2", "--gres=gpu:2", "--wrap", "sleep 300"], cwd=workdir
-    )
-    assert sub.returncode == 0, sub.stderr
-    other = sub.stdout.strip().split(";")[0]
+    other = cluster.submit(workdir, "-w", "n2", "--gres=gpu:2", "--wrap", "sleep 300")
 
     def squeue(*opts: str) -> str:
         return cluster.run(["squeue", "-h", "-j", other, *opts], as_root=True).stdout.strip()
@@ -170,12 +166,7 @@ def test_a_gpu_fault_drains_its_node_the_job_runs_elsewhere_and_resume_waits_for
     ]
     _set_gpus(cluster, "n1", faulty)
 
-    sub = cluster.run(
-        ["sbatch", "--parsable", "-N1", "--gres=gpu:2", "-o", "where.txt", "--wrap", "hostname"],
-        cwd=workdir,
-    )
-    assert sub.returncode == 0, sub.stderr
-    job = sub.stdout.strip().split(";")[0]
+    job = cluster.submit(workdir, "-N1", "--gres=gpu:2", "-o", "where.txt", "--wrap", "hostname")
     _wait("n1 to drain", lambda: "drain" in _state_and_reason(cluster, "n1")[0])
     reason = _state_and_reason(cluster, "n1")[1]
     uuid = faulty["devices"][0]["uuid"]
@@ -310,13 +301,11 @@ def test_shard_and_mps_jobs_beside_another_jobs_process_never_drain_but_a_whole_
         ("shard-b", ["-w", "n1", "--gres=shard:1"]),
         ("mps", ["-w", "n2", "--gres=mps:50"]),
     ):
-        sub = cluster.run(
-            ["sbatch", "--parsable", *opts, "--tf-image=tiny:1.0", "-o", f"{name}.txt",
-             "--wrap", show],
-            cwd=workdir,
-        )  # fmt: skip
-        assert sub.returncode == 0, sub.stderr
-        jobs.append(sub.stdout.strip().split(";")[0])
+        jobs.append(
+            cluster.submit(
+                workdir, *opts, "--tf-image=tiny:1.0", "-o", f"{name}.txt", "--wrap", show
+            )
+        )
     _wait(
         "the three jobs to end",
         lambda: not cluster.run(["squeue", "-h", "-j", ",".join(jobs)], as_root=True).stdout,

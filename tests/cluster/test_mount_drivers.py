@@ -64,6 +64,23 @@ def _gone(cluster: Cluster, targets: Iterable[str]) -> tuple[list[str], str]:
     return mounts, loops
 
 
+def _mounted_under_policy(
+    cluster: Cluster, workdir: Path, image: str
+) -> tuple[dict[str, tuple[str, set[str]]], str]:
+    """A job of ``image`` on n1 under POLICY: its image mounts and n1's loop devices
+    while it ran (it must end well)."""
+    with cluster.config_with(**POLICY):
+        p, job = _waiting_job(cluster, workdir, image)
+        try:
+            mounts = _image_mounts(cluster, "n1", job)
+            loops = _loops(cluster, "n1")
+        finally:
+            (workdir / "go").touch()
+            _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    return mounts, loops
+
+
 def _holders(cluster: Cluster, node: str) -> set[str]:
     cache = cluster.state / "nodes" / node / "cache" / "images"
     return {h for p in cache.glob("*.json") for h in json.loads(p.read_text()).get("holders", [])}
@@ -78,15 +95,7 @@ def test_the_policy_mounts_trusted_images_with_the_kernel_and_others_with_fuse(
     # Trust goes by where the cached bytes came from: an entry cached before tfimage
     # kept that (a cluster's cache outlives it) is pulled again to know.
     _forget(cluster, image)
-    with cluster.config_with(**POLICY):
-        p, job = _waiting_job(cluster, workdir, image)
-        try:
-            mounts = _image_mounts(cluster, "n1", job)
-            loops = _loops(cluster, "n1")
-        finally:
-            (workdir / "go").touch()
-            _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
+    mounts, loops = _mounted_under_policy(cluster, workdir, image)
     assert [m[0] for m in mounts.values()] == [fstype], mounts
     assert {"ro", "nosuid", "nodev"} <= next(iter(mounts.values()))[1]
     assert ("sha256-" in loops) == (fstype == "squashfs"), loops  # the SIF's loop device
@@ -106,15 +115,7 @@ def test_a_trusted_name_with_an_untrusted_images_digest_is_mounted_by_fuse(
     ref = cluster.run(["tfimage", "resolve", "tiny:1.0"], as_root=True).stdout.strip()
     digest = ref.rpartition("@")[2]
     assert digest.startswith("sha256:"), ref
-    with cluster.config_with(**POLICY):
-        p, job = _waiting_job(cluster, workdir, f"library/tf-custom@{digest}")
-        try:
-            mounts = _image_mounts(cluster, "n1", job)
-            loops = _loops(cluster, "n1")
-        finally:
-            (workdir / "go").touch()
-            _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
+    mounts, loops = _mounted_under_policy(cluster, workdir, f"library/tf-custom@{digest}")
     assert [m[0] for m in mounts.values()] == ["fuse.squashfuse_ll"], mounts
     assert "sha256-" not in loops, loops  # no loop device: the kernel never read it
 

@@ -71,9 +71,7 @@ def test_the_prolog_pulls_the_image_before_the_first_step(
         "srun -n1 cat /etc/tfimage-test-image\n",
         cluster.user,
     )
-    r = cluster.run(["sbatch", "--parsable", "job.sh"], cwd=workdir)
-    assert r.returncode == 0, r.stderr
-    job = r.stdout.strip().split(";")[0]
+    job = cluster.submit(workdir, "job.sh")
     try:
         # Before any step: the image is in n1's cache, and the prolog said so.
         wait_for(cached.exists, timeout=120, what="the prolog's pull")
@@ -333,9 +331,7 @@ def test_cache_rm_refuses_a_held_image_then_frees_its_bytes(
         f"while [ ! -e {workdir / 'release'} ]; do sleep 0.2; done\n",
         cluster.user,
     )
-    r = cluster.run(["sbatch", "--parsable", "hold.sh"], cwd=workdir)
-    assert r.returncode == 0, r.stderr
-    jid = r.stdout.strip().split(";")[0]
+    jid = cluster.submit(workdir, "hold.sh")
     cached = _node_cache(cluster, "n1") / f"{digest.replace(':', '-')}.sif"
     tfimage = ["/opt/tfimage/bin/tfimage", "--config", cluster.env["TFIMAGE_CONFIG"], "cache"]
     try:

@@ -47,19 +47,22 @@ def _held_job(cluster: Cluster, workdir: Path, image: str, name: str) -> Iterato
         "srun cat /etc/tfimage-test-image\n",
         cluster.user,
     )
-    r = cluster.run(["sbatch", "--hold", "--parsable", f"{name}.sh"], cwd=workdir)
-    assert r.returncode == 0, r.stderr
-    job = r.stdout.strip().split(";")[0]
+    job = cluster.submit(workdir, "--hold", f"{name}.sh")
     try:
         yield job
     finally:
-        cluster.run(["scontrol", "release", job], as_root=True)
-        wait_for(
-            lambda: not cluster.run(["squeue", "-h", "-j", job], as_root=True).stdout.strip(),
-            timeout=240,
-            what=f"job {job} to end",
-            interval=0.5,
-        )
+        _release(cluster, job)
+
+
+def _release(cluster: Cluster, job: str) -> None:
+    """Release the held ``job`` and wait for its end (again: a no-op)."""
+    cluster.run(["scontrol", "release", job], as_root=True)
+    wait_for(
+        lambda: not cluster.run(["squeue", "-h", "-j", job], as_root=True).stdout.strip(),
+        timeout=240,
+        what=f"job {job} to end",
+        interval=0.5,
+    )
 
 
 def _record(cluster: Cluster, node: str, job: str) -> dict[str, object]:
@@ -95,13 +98,7 @@ def test_staged_copies_are_adopted_and_the_registry_is_not_needed(
             _stage(cluster, node, digest, job, manifest, sif)
         # From here no node could fetch a byte: a pull would fail the job.
         with cluster.config_with(connect_timeout=1, read_timeout=2), registry_stopped(cluster):
-            cluster.run(["scontrol", "release", job], as_root=True)
-            wait_for(
-                lambda: not cluster.run(["squeue", "-h", "-j", job], as_root=True).stdout.strip(),
-                timeout=240,
-                what=f"job {job} to end",
-                interval=0.5,
-            )
+            _release(cluster, job)
     assert (workdir / "adopt.out").read_text().split() == [marker, marker]
     for node in NODES:
         rec = _record(cluster, node, job)

@@ -59,11 +59,7 @@ def test_two_jobs_at_once_on_the_same_nodes_do_not_collide(cluster: Cluster, wor
         d.mkdir()
         shutil.chown(d, cluster.user)
         training_job(d, cluster.user, "-N2 --ntasks-per-node=1", "job")
-    ids = []
-    for d in (a, b):
-        r = cluster.run(["sbatch", "--parsable", "job.sh"], cwd=d)
-        assert r.returncode == 0, r.stderr
-        ids.append(r.stdout.strip().split(";")[0])
+    ids = [cluster.submit(d, "job.sh") for d in (a, b)]
     # Both running at once (each trains for tens of seconds), then both finished.
     poll = cluster.run(
         [
