@@ -71,7 +71,6 @@ class Puller:
         # tag, or wait on another's download, never import requests, and the one
         # that downloads reads straight into its buffers (transport.py).
         self._client_factory = client_factory or (lambda host: _client(cache.cfg, host))
-        self._refused: str | None = None
 
     def ensure(
         self, ref: Reference, progress: Progress | None = None, job: str | None = None
@@ -92,10 +91,12 @@ class Puller:
                 for staged_file in layout.cache_staged(cache.root, ref.digest, job):
                     discard(staged_file)
             return CachedImage(ref, path, path.stat().st_size, True, time.monotonic() - started)
+        refused = None  # why a copy staged for the job was not taken, if one was
         if ref.digest and job:
             adopted = self._adopt(ref, job, started)
-            if adopted is not None:
+            if isinstance(adopted, CachedImage):
                 return adopted
+            refused = adopted
         last: RegistryUnreachable | None = None
         for host in self.cfg.sources(ref):
             try:
@@ -144,15 +145,15 @@ class Puller:
                 hit,
                 time.monotonic() - started,
                 None if hit else host,
-                self._refused,
+                refused,
             )
         assert last is not None
         raise last
 
-    def _adopt(self, ref: Reference, job: str, started: float) -> CachedImage | None:
-        """The copy staged for ``job`` (staged.py), published if it is exactly ``ref``;
-        None when there was none to take or it was refused (then ``refused`` says why
-        on the pull that follows)."""
+    def _adopt(self, ref: Reference, job: str, started: float) -> CachedImage | str | None:
+        """The copy staged for ``job`` (staged.py), published if it is exactly ``ref``:
+        the cached image; else why it was refused, or None when there was none to
+        take."""
         assert ref.digest
         cache = self.cache
         with cache.lock(ref.digest):
@@ -165,8 +166,7 @@ class Puller:
             if why is None:
                 return CachedImage(ref, path, path.stat().st_size, False,
                                    time.monotonic() - started, staged.SOURCE)  # fmt: skip
-        self._refused = why or None
-        return None
+        return why or None
 
     def _ask(self, host: str, ref: Reference, into: list[tuple[RegistryClient, Manifest]]) -> str:
         """The tag's digest from ``host``; the client and manifest go ``into`` the list,
