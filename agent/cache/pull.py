@@ -73,12 +73,17 @@ class Puller:
         self._client_factory = client_factory or (lambda host: _client(cache.cfg, host))
 
     def ensure(
-        self, ref: Reference, progress: Progress | None = None, job: str | None = None
+        self,
+        ref: Reference,
+        progress: Progress | None = None,
+        job: str | None = None,
+        uid: int | None = None,
     ) -> CachedImage:
         """Make sure the image ``ref`` names is in the cache; return it pinned.
 
         ``job`` (the prolog's and the steps') becomes a holder: eviction never takes
-        an image a running job holds.
+        an image a running job holds.  ``uid``, the job's user, may own a copy
+        staged for the job (staged.py).
         """
         started = time.monotonic()
         cache = self.cache
@@ -93,7 +98,7 @@ class Puller:
             return CachedImage(ref, path, path.stat().st_size, True, time.monotonic() - started)
         refused = None  # why a copy staged for the job was not taken, if one was
         if ref.digest and job:
-            adopted = self._adopt(ref, job, started)
+            adopted = self._adopt(ref, job, uid, started)
             if isinstance(adopted, CachedImage):
                 return adopted
             refused = adopted
@@ -150,7 +155,9 @@ class Puller:
         assert last is not None
         raise last
 
-    def _adopt(self, ref: Reference, job: str, started: float) -> CachedImage | str | None:
+    def _adopt(
+        self, ref: Reference, job: str, uid: int | None, started: float
+    ) -> CachedImage | str | None:
         """The copy staged for ``job`` (staged.py), published if it is exactly ``ref``:
         the cached image; else why it was refused, or None when there was none to
         take."""
@@ -162,7 +169,7 @@ class Puller:
                 return None
             from tfimage.agent.cache import staged
 
-            why = staged.adopt(cache, ref, job, self.cfg.staging_owners())
+            why = staged.adopt(cache, ref, job, self.cfg.staging_owners(), uid)
             if why is None:
                 return CachedImage(ref, path, path.stat().st_size, False,
                                    time.monotonic() - started, staged.SOURCE)  # fmt: skip

@@ -16,7 +16,6 @@ import contextlib
 import json
 import math
 import os
-import pwd
 import stat
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -128,17 +127,22 @@ class ImageCache:
         self._staged_dir()
 
     def _staged_dir(self) -> None:
-        """``staged/``, Slurm's user's (0755): it writes there, users cannot."""
+        """``staged/``, root's, 1733: ``sbcast`` writes there as the job's user (Slurm
+        22.05 lets no one else broadcast to a job) or as Slurm's user; the sticky bit
+        keeps one user from taking or replacing another's file, and no one but root
+        may list it."""
         staged = layout.cache_staged_dir(self.root)
         with contextlib.suppress(FileExistsError):
-            staged.mkdir(mode=0o755)
+            staged.mkdir(mode=0o700)
         if os.geteuid() != 0:
             return
         st = staged.lstat()
-        owners = self.cfg.staging_owners() - {0}
-        if stat.S_ISDIR(st.st_mode) and owners and st.st_uid not in owners:
-            uid = next(iter(owners))
-            os.chown(staged, uid, pwd.getpwuid(uid).pw_gid, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            return  # adopt() opens nothing through it but regular files it checks
+        if st.st_uid != 0 or st.st_gid != 0:
+            os.chown(staged, 0, 0, follow_symlinks=False)
+        if stat.S_IMODE(st.st_mode) != layout.STAGED_MODE:
+            os.chmod(staged, layout.STAGED_MODE)
 
     def path_of(self, digest: str) -> Path:
         return layout.cache_sif(self.root, digest)

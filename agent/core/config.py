@@ -53,8 +53,8 @@ class Config:
     # Slurm's PrologEpilogTimeout (the role and doctor check).
     hook_deadline: float = float(wire.DEFAULT_HOOK_DEADLINE)
     hook_log: str = "/var/log/tfimage/hooks.log"
-    # Slurm's user (slurm.conf SlurmUser): besides root, the one owner a copy staged
-    # for a job may have (cache/staged.py), and the owner of cache_dir/staged/.
+    # Slurm's user (slurm.conf SlurmUser): besides root and the job's own user, the
+    # one owner a copy staged for a job may have (cache/staged.py).
     slurm_user: str = "slurm"
     # Token services (Bearer realms) that may receive the registry credentials, by
     # host name, besides the registry's own host.

@@ -37,7 +37,9 @@ Under ``cache_dir`` (root-owned, 0755; node-local disk)::
     tmp/sha256-<hex>.converted  a conversion's SIF before it is verified
     tmp/convert-sha256-<hex>-*/ a conversion's work directory (cache/convert.py)
     tmp/sha256-<hex>.adopting   a staged SIF taken by root while it is checked
-    staged/                     Slurm's user's, 0755: what was staged for a job
+    tmp/sha256-<hex>.adopted    root's own copy of a SIF the job's user staged
+    staged/                     root's, 1733: anyone may add, no one may list or
+                                take another's; what was staged for a job
         sha256-<hex>.<job>.manifest  the pinned manifest's bytes (cache/staged.py)
         sha256-<hex>.<job>.sif       its SIF layer
 
@@ -205,6 +207,14 @@ def cache_adopting(cache_dir: StrPath, digest: str) -> Path:
     return cache_tmp(cache_dir) / f"{key(digest)}.adopting"
 
 
+def cache_adopted(cache_dir: StrPath, digest: str) -> Path:
+    """Root's copy of a staged SIF its job's user owns (cache/staged.py)."""
+    return cache_tmp(cache_dir) / f"{key(digest)}.adopted"
+
+
+STAGED_MODE = 0o1733
+
+
 def cache_staged_dir(cache_dir: StrPath) -> Path:
     return Path(cache_dir) / "staged"
 
@@ -232,6 +242,7 @@ def cache_leftovers(cache_dir: StrPath) -> list[Path]:
             *tmp.glob(f"{KEY_PREFIX}*.partial"),
             *tmp.glob(f"{KEY_PREFIX}*.converted"),
             *tmp.glob(f"{KEY_PREFIX}*.adopting"),
+            *tmp.glob(f"{KEY_PREFIX}*.adopted"),
             *tmp.glob(f"{CONVERT_PREFIX}{KEY_PREFIX}*"),
             *cache_staged_dir(cache_dir).glob(f"{KEY_PREFIX}*"),
         ]

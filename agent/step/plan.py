@@ -110,7 +110,7 @@ def _ready(
     try:
         imageaccess.check_named(cfg, ref, uid)
         cache = cache or ImageCache(cfg)
-        cached = Puller(cache).ensure(ref, job=job_id)
+        cached = Puller(cache).ensure(ref, job=job_id, uid=uid)
         assert cached.ref.digest
         # Where the cached bytes came from: read once, for access and mount trust.
         needed = cfg.access or runtime.needs_mount

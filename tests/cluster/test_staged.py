@@ -24,16 +24,14 @@ NODES = ("n1", "n2")
 
 
 def _stage(cluster: Cluster, node: str, digest: str, job: str, manifest: bytes, sif: bytes) -> None:
-    """Both files in the node's staged/, owned by Slurm's user as sbcast writes them."""
+    """Both files in the node's staged/, owned by the job's user as Slurm 22.05's
+    sbcast writes them (it refuses a broadcast to a job from anyone else)."""
     cache = cluster.state / "nodes" / node / "cache"
-    slurm = pwd.getpwnam("slurm")
-    staged = layout.cache_staged_dir(cache)
-    staged.mkdir(mode=0o755, exist_ok=True)
-    os.chown(staged, slurm.pw_uid, slurm.pw_gid)
+    user = pwd.getpwnam(cluster.user)
     for path, data in zip(layout.cache_staged(cache, digest, job), (manifest, sif), strict=True):
         path.write_bytes(data)
-        os.chown(path, slurm.pw_uid, slurm.pw_gid)
-        path.chmod(0o644)
+        os.chown(path, user.pw_uid, user.pw_gid)
+        path.chmod(0o600)
 
 
 @contextmanager

@@ -1,6 +1,7 @@
 """A copy staged for a job (cache/staged.py), against a real registry: adopted only
 when it is exactly the pinned image, else refused in one line and pulled as ever;
-never followed through a link, never blocked on a FIFO, never taken from a user."""
+never followed through a link, never blocked on a FIFO, never taken from another
+user, and taken from the job's own user only as root's copy."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tfimage.agent.core.reference import Reference
 
 JOB = "4242"
 NOBODY = 65534
+JOB_UID = 4321  # the job's user: no name needed, only a uid
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="root owns what is adopted")
 
 
@@ -82,11 +84,12 @@ def _no_registry(host: str) -> object:
     raise AssertionError(f"the registry {host} was asked")
 
 
-def _refused_then_pulled(p: Pushed) -> str:
-    got = Puller(p.cache).ensure(p.ref, job=JOB)
+def _refused_then_pulled(p: Pushed, uid: int | None = None) -> str:
+    got = Puller(p.cache).ensure(p.ref, job=JOB, uid=uid)
     assert got.source == p.ref.registry and got.path.read_bytes() == p.sif
     assert not any(os.path.lexists(x) for x in p.staged), "staged files left behind"
     assert not layout.cache_adopting(p.cache.root, p.ref.digest or "").exists()
+    assert not layout.cache_adopted(p.cache.root, p.ref.digest or "").exists()
     assert got.refused
     return got.refused
 
@@ -134,6 +137,56 @@ def test_a_copy_owned_by_a_user_is_refused(pushed: Pushed) -> None:
     pushed.stage()
     os.chown(pushed.staged[1], NOBODY, NOBODY)
     assert _refused_then_pulled(pushed) == f"staged copy refused: SIF: owned by uid {NOBODY}"
+
+
+def test_a_copy_another_user_put_under_the_jobs_name_is_refused(pushed: Pushed) -> None:
+    pushed.stage()
+    for p in pushed.staged:
+        os.chown(p, NOBODY, NOBODY)
+    refused = _refused_then_pulled(pushed, uid=JOB_UID)
+    assert refused == f"staged copy refused: manifest: owned by uid {NOBODY}"
+
+
+def test_the_job_users_copy_is_adopted_as_roots_own_copy(big: Pushed) -> None:
+    """sbcast on Slurm 22.05 writes as the job's user, who could keep a descriptor
+    open and write after the check: what is published is root's copy, and a write
+    to the user's file afterwards cannot reach it."""
+    big.stage()
+    for p in big.staged:
+        os.chown(p, JOB_UID, JOB_UID)
+    fd = os.open(big.staged[1], os.O_RDWR)  # opened before the node takes it
+    try:
+        got = Puller(big.cache, client_factory=_no_registry).ensure(big.ref, job=JOB, uid=JOB_UID)
+        os.pwrite(fd, b"\0" * 4096, 0)  # the user's file, after its adoption
+    finally:
+        os.close(fd)
+    assert (got.hit, got.source, got.refused) == (False, "staged", None)
+    st = got.path.stat()
+    assert (st.st_uid, st.st_mode & 0o777, st.st_nlink) == (0, 0o444, 1)
+    assert got.path.read_bytes() == big.sif
+    assert verify(big.cache) == []
+    assert not layout.cache_adopted(big.cache.root, big.ref.digest or "").exists()
+
+
+def test_the_job_users_copy_that_is_longer_is_refused(pushed: Pushed) -> None:
+    pushed.stage()
+    with open(pushed.staged[1], "ab") as f:
+        f.write(b"x")
+    for p in pushed.staged:
+        os.chown(p, JOB_UID, JOB_UID)
+    refused = _refused_then_pulled(pushed, uid=JOB_UID)
+    n = len(pushed.sif)
+    assert refused == f"staged copy refused: SIF: {n + 1} bytes, not the layer's {n}"
+
+
+def test_the_job_users_corrupt_copy_is_refused(pushed: Pushed) -> None:
+    evil = bytearray(pushed.sif)
+    evil[-1] ^= 0xFF
+    pushed.stage(sif=bytes(evil))
+    for p in pushed.staged:
+        os.chown(p, JOB_UID, JOB_UID)
+    refused = _refused_then_pulled(pushed, uid=JOB_UID)
+    assert refused == "staged copy refused: SIF: its sha256 is not the layer's"
 
 
 def test_a_copy_others_may_write_is_refused(pushed: Pushed) -> None:
@@ -200,11 +253,14 @@ def test_without_a_staged_copy_nothing_changes(pushed: Pushed) -> None:
     assert (got.source, got.refused) == (pushed.ref.registry, None)
 
 
-def test_staged_is_slurms_users_and_leftovers_are_prune_s(pushed: Pushed) -> None:
-    pushed.cache.make_dirs()
+def test_staged_is_roots_sticky_and_leftovers_are_prune_s(pushed: Pushed) -> None:
     staged = layout.cache_staged_dir(pushed.cache.root)
-    owners = pushed.cache.cfg.staging_owners()
-    assert staged.stat().st_uid in owners and staged.stat().st_mode & 0o777 == 0o755
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    staged.mkdir(mode=0o777)
+    os.chown(staged, NOBODY, NOBODY)  # as an older version or a mistake left it
+    pushed.cache.make_dirs()
+    st = staged.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (0, 0, layout.STAGED_MODE)
     pushed.stage()
     assert set(pushed.staged) <= set(layout.cache_leftovers(pushed.cache.root))
 
