@@ -29,7 +29,7 @@ PY = REPO / ".venv" / "bin" / "python"
 TARGETS = {
     "agent/core/reference.py": ["tests/unit/core/test_reference.py"],
     "agent/step/binds.py": ["tests/unit/step/test_binds.py", "tests/unit/step/test_userpath.py"],
-    "agent/step/hostlist.py": ["tests/unit/step/test_taskenv.py"],
+    "agent/core/hostlist.py": ["tests/unit/step/test_taskenv.py"],
     "agent/step/taskenv.py": ["tests/unit/step/test_taskenv.py"],
     "agent/cache/evict.py": ["tests/unit/cache/test_evict.py"],
     "agent/core/config.py": [

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tfimage.agent.core.errors import StepLayoutError
+from tfimage.agent.core.hostlist import MAX_HOSTS, expand_counts, expand_hostlist, expand_ports
 from tfimage.agent.step.gpushare import LIMIT, mps_memory_limit
-from tfimage.agent.step.hostlist import MAX_HOSTS, expand_counts, expand_hostlist, expand_ports
 
 
 def hashed_ports(job_id: str, step_id: str, count: int, lo: int, hi: int) -> list[int]:

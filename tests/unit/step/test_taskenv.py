@@ -11,7 +11,7 @@ import pytest
 
 from tfimage.agent.core.config import Config
 from tfimage.agent.core.errors import StepLayoutError
-from tfimage.agent.step.hostlist import expand_counts, expand_hostlist
+from tfimage.agent.core.hostlist import expand_counts, expand_hostlist
 from tfimage.agent.step.plan import StepRequest, step_env
 from tfimage.agent.step.taskenv import (
     hashed_ports,
