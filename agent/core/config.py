@@ -115,6 +115,13 @@ class Config:
     # Who may run images of which repositories (core/access.py documents the rules):
     # {"team-a/*": ["@team-a"]}; a repository no rule matches is open to all.
     access: tuple[Rule, ...] = ()
+    # The controller's one pull per multi-node job (stage/): PrologSlurmctld pulls
+    # the job's image into stage_dir (a cache like a node's, on the controller) and
+    # broadcasts it down Slurm's tree; stage_deadline bounds both together, and must
+    # end before PrologEpilogTimeout (the role and `doctor --controller` check).
+    # Past it, or on any failure, each node pulls for itself.
+    stage_dir: str = "/var/cache/tfimage-stage"
+    stage_deadline: float = 300.0
     # The GPU gate (gpuconfig.py documents every key).
     gpu: GpuPolicy = field(default_factory=GpuPolicy)
 
@@ -130,6 +137,13 @@ class Config:
         from tfimage.agent.core.sif import this_platform
 
         return self.platform or this_platform()
+
+    def staging(self) -> Config:
+        """This config with the controller's staging cache where a node's cache is
+        (the same pull, locks, checks and eviction: stage/)."""
+        import dataclasses
+
+        return dataclasses.replace(self, cache_dir=self.stage_dir)
 
     def staging_owners(self) -> frozenset[int]:
         """Root's uid and Slurm's user's, where this node knows that user."""
@@ -183,6 +197,7 @@ _FLOATS = {
     "connect_timeout",
     "read_timeout",
     "hook_deadline",
+    "stage_deadline",
     "cache_high_watermark",
     "cache_low_watermark",
     "cache_min_age",
@@ -299,9 +314,13 @@ def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Conf
             f"{path}: 'platform' must be linux/<architecture> as OCI names it"
             f" (linux/amd64, linux/arm64), not {cfg.platform[:80]!r}"
         )
-    for key in ("cache_dir", "state_dir", "hook_log", "ib_sysfs"):
+    for key in ("cache_dir", "state_dir", "hook_log", "ib_sysfs", "stage_dir"):
         if not str(getattr(cfg, key)).startswith("/"):
             raise ConfigError(f"{path}: '{key}' must be an absolute path")
+    if os.path.normpath(cfg.stage_dir) == os.path.normpath(cfg.cache_dir):
+        # Two caches with their own holders and eviction: a staging pull holds its
+        # image only while it is broadcast.
+        raise ConfigError(f"{path}: 'stage_dir' must not be 'cache_dir'")
     for key in ("usage_log", "metrics_dir"):
         value = getattr(cfg, key)
         if value is None or (value and not value.startswith("/")):

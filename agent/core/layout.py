@@ -43,6 +43,15 @@ Under ``cache_dir`` (root-owned, 0755; node-local disk)::
         sha256-<hex>.<job>.manifest  the pinned manifest's bytes (cache/staged.py)
         sha256-<hex>.<job>.sif       its SIF layer
 
+Under ``stage_dir`` (the controller's, root-owned, 0700; stage/): a cache as above
+(``images/``, ``locks/``, ``tmp/``: the one pull per multi-node job, pruned by the
+same eviction), and::
+
+    sent/sha256-<hex>.json      the nodes the image was broadcast to, and when
+                                (stage/ledger.py)
+    sent/sha256-<hex>.lock      serialises changes to it
+    sent/sha256-<hex>.manifest  the pinned manifest's bytes, sent with the SIF
+
 An image's key is ``sha256-<hex>``: its digest with ``:`` made a path character.
 Ids and digests are checked (``ids``) before they become a path: a ``ValueError``
 says which was wrong.
@@ -247,6 +256,19 @@ def cache_leftovers(cache_dir: StrPath) -> list[Path]:
             *cache_staged_dir(cache_dir).glob(f"{KEY_PREFIX}*"),
         ]
     )
+
+
+# -- stage_dir (the controller's) -------------------------------------------------------
+
+
+def stage_sent(stage_dir: StrPath, digest: str) -> Path:
+    """``sent/sha256-<hex>.json``: the nodes ``digest`` was broadcast to, and when."""
+    return Path(stage_dir) / "sent" / f"{key(digest)}.json"
+
+
+def stage_manifest(stage_dir: StrPath, digest: str) -> Path:
+    """``sent/sha256-<hex>.manifest``: the manifest a broadcast sends with the SIF."""
+    return Path(stage_dir) / "sent" / f"{key(digest)}.manifest"
 
 
 def cache_keep_list(cache_dir: StrPath) -> Path:

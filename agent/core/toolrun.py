@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Sequence
+from typing import Any
 
 from tfimage.agent.core.errors import RuntimeSetupError
 
@@ -12,10 +13,21 @@ SAFE_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
 
 def run(
-    argv: Sequence[str], *, timeout: float, what: str, env: dict[str, str] | None = None
+    argv: Sequence[str],
+    *,
+    timeout: float,
+    what: str,
+    env: dict[str, str] | None = None,
+    as_user: tuple[int, int] | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> str:
     """Run ``argv``; return stdout.  Failure or timeout raises with the tool's last line.
-    ``env`` adds to the fixed environment (a tool's own work directories, never a job's)."""
+    ``env`` adds to the fixed environment (a tool's own work directories, never a job's);
+    ``as_user`` (uid, gid) runs it as that user alone, with no other groups;
+    ``pass_fds`` it inherits besides its standard three."""
+    who: dict[str, Any] = {}
+    if as_user is not None:
+        who = {"user": as_user[0], "group": as_user[1], "extra_groups": []}
     try:
         done = subprocess.run(
             list(argv),
@@ -25,6 +37,8 @@ def run(
             env={**SAFE_ENV, **(env or {})},
             stdin=subprocess.DEVNULL,
             check=False,
+            pass_fds=tuple(pass_fds),
+            **who,
         )
     except subprocess.TimeoutExpired:
         raise RuntimeSetupError(f"{what}: {argv[0]} did not finish in {timeout:.0f} s") from None
@@ -34,4 +48,4 @@ def run(
         lines = (done.stderr or done.stdout).strip().splitlines()
         last = lines[-1] if lines else f"exit status {done.returncode}"
         raise RuntimeSetupError(f"{what}: {last}")
-    return done.stdout
+    return str(done.stdout)

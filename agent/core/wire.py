@@ -59,6 +59,15 @@ it against the parsers here, both ways.
    ``CUDA_VISIBLE_DEVICES``) and ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, empty for
    none.
 
+   The controller's hook, Slurm's ``PrologSlurmctld`` (stage/), the same way::
+
+       tfimage-stage --config=PATH --job=N --image=REF --nodes=HOSTLIST --uid=N --gid=N
+
+   ``--nodes`` is ``SLURM_JOB_NODELIST``, Slurm's compact list, counted before it is
+   expanded; ``--uid`` and ``--gid`` the job owner's, whom the broadcast runs as.
+   Its front (the role's ``tfimage-stage`` script) starts nothing for a job without
+   ``--tf-image`` or on one node (``SLURM_JOB_NUM_NODES``).
+
    ``tfimage-hook SOCKET DEADLINE PROGRAM ARGS...`` waits ``DEADLINE`` +
    :data:`HOOK_GRACE` seconds, and runs ``PROGRAM`` itself only when no daemon
    listens.
@@ -82,7 +91,8 @@ HOOK_GRACE = 30
 
 STEP_PREPARE = "step-prepare"
 SUBMIT_CHECK = "submit-check"
-HOOKS = ("tfimage-prolog", "tfimage-epilog")
+HOOKS = ("tfimage-prolog", "tfimage-epilog", "tfimage-stage")
+STAGE_HOOK = "tfimage-stage"
 
 # -- 0. names that cross a process boundary outside the messages ---------------------
 
@@ -138,6 +148,8 @@ _MPS = HookFlag("--mps", ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",), "mps")
 # The job's user as slurmd gives it (never the job's own environment): whose access
 # the prolog checks (core/access.py) and whose usage the epilog records.
 _UID = HookFlag("--uid", ("SLURM_JOB_UID",), "uid")
+_GID = HookFlag("--gid", ("SLURM_JOB_GID",), "gid")
+_NODES = HookFlag("--nodes", ("SLURM_JOB_NODELIST",), "nodes")
 
 # Each hook's arguments after ``--config=PATH``, in the order the role's scripts
 # send them (5); tests/unit/deploy/test_hook_scripts.py holds the scripts to it.
@@ -159,6 +171,7 @@ HOOK_FLAGS: dict[str, tuple[HookFlag, ...]] = {
         _GPUS,
         _MPS,
     ),
+    STAGE_HOOK: (_JOB, _IMAGE, _NODES, _UID, _GID),
 }
 
 

@@ -26,9 +26,10 @@ def daemon(args: argparse.Namespace) -> int:
     from tfimage.agent.daemon.worker import CLI
     from tfimage.epilog.main import main as epilog
     from tfimage.prolog.main import main as prolog
+    from tfimage.prolog.stage import main as stage
 
     if os.geteuid() != 0:
-        raise TfimageError("daemon: runs as root on a compute or login node")
+        raise TfimageError("daemon: runs as root on a compute, login or controller node")
     cfg = load_config(args.config)
     pin = None if args.no_pin_server else Path(args.pin_socket or layout.pin_socket(cfg.state_dir))
     # Built once, here: a forked worker would build it again, importing every
@@ -41,6 +42,7 @@ def daemon(args: argparse.Namespace) -> int:
             CLI: lambda argv: dispatch(parser.parse_args(argv)),
             "tfimage-prolog": prolog,
             "tfimage-epilog": epilog,
+            "tfimage-stage": stage,
         },
         pin,
         config_path=Path(args.config),
