@@ -28,7 +28,8 @@ Handler = Callable[[argparse.Namespace], int]
 def _cache(args: argparse.Namespace) -> ImageCache:
     from tfimage.agent.cache.store import ImageCache
 
-    return ImageCache(load_config(args.config))
+    cfg = load_config(args.config)
+    return ImageCache(cfg.staging() if getattr(args, "stage", False) else cfg)
 
 
 def _puller(cache: ImageCache) -> Puller:
@@ -248,6 +249,12 @@ _IMAGE = "a cached image: reference (tf-custom:2.0), digest, or a unique digest 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], pull: Handler) -> None:
     c = sub.add_parser(
         "cache", help="inspect and manage this node's image cache", epilog=EXIT_CODES
+    )
+    c.add_argument(
+        "--stage",
+        action="store_true",
+        help="the controller's staging cache (stage_dir: one pull per multi-node job) "
+        "instead of this node's",
     )
     csub = c.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
 

@@ -43,6 +43,7 @@ class Context:
     config_path: Path
     slurm_conf: Path
     login: bool = False
+    controller: bool = False
     fuse_conf: Path = Path("/etc/fuse.conf")
     dev_dir: Path = Path("/dev")  # where a GPU node has nvidia0, nvidia1, ...
     cfg: Config | None = None
@@ -180,12 +181,8 @@ def _hook(conf: dict[str, str], key: str, program: str) -> Diagnosis:
             f"set {key}= to a script (or prolog.d-style glob) running {program}",
         )
     for script in hook_scripts(value):
-        try:
-            with script.open("rb") as f:
-                if program.encode() in f.read(1 << 16):
-                    return Diagnosis("hooks", "ok", f"{key} runs {program} ({script})")
-        except OSError:
-            continue
+        if _runs(script, program):
+            return Diagnosis("hooks", "ok", f"{key} runs {program} ({script})")
     return Diagnosis(
         "hooks",
         "error",
@@ -226,6 +223,99 @@ def check_hooks(ctx: Context) -> Iterator[Diagnosis]:
             yield Diagnosis(
                 "hooks", "ok", f"hook_deadline ends before PrologEpilogTimeout={timeout}"
             )
+
+
+def check_stage(ctx: Context) -> Iterator[Diagnosis]:
+    """The controller's one pull per multi-node job: PrologSlurmctld runs the stage
+    hook, stage_deadline ends before PrologEpilogTimeout, the staging cache is root's
+    alone on a local file system, and sbcast is there."""
+    conf = _slurm(ctx)
+    if ctx.cfg is None or conf is None:
+        return
+    values = conf.get("prologslurmctld", "")
+    ours = [p for p in hook_scripts(values) if _runs(p, "tfimage-stage")]
+    if ours:
+        yield Diagnosis("stage", "ok", f"PrologSlurmctld runs tfimage-stage ({ours[0]})")
+    else:
+        yield Diagnosis(
+            "stage",
+            "warning",
+            f"PrologSlurmctld={values or '(unset)'} does not run tfimage-stage: every node "
+            "of a multi-node job pulls its image from the registry",
+            "set tfimage_stage: true for the role's controller play",
+        )
+    timeout = conf.get("prologepilogtimeout", "")
+    if timeout.isdigit() and ctx.cfg.stage_deadline + HOOK_GRACE >= int(timeout):
+        yield Diagnosis(
+            "stage",
+            "error",
+            f"stage_deadline ({ctx.cfg.stage_deadline:g} s) + {HOOK_GRACE} s is not below "
+            f"PrologEpilogTimeout ({timeout} s): slurmctld would kill the hook and requeue the job",
+            "lower stage_deadline in the tfimage config",
+        )
+    elif ours:
+        yield Diagnosis("stage", "ok", "stage_deadline ends before PrologEpilogTimeout")
+    yield from _stage_dir(Path(ctx.cfg.stage_dir))
+    sbcast = os.path.join(ctx.cfg.gpu.slurm_bin, "sbcast") if ctx.cfg.gpu.slurm_bin else "sbcast"
+    try:  # sbcast reads slurm.conf before it says its version
+        out = _run([sbcast, "--version"], {**os.environ, "SLURM_CONF": str(ctx.slurm_conf)})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        yield Diagnosis("stage", "error", f"{sbcast}: {e}", "install slurm-client")
+        return
+    version = (out.stdout or out.stderr).strip()
+    yield Diagnosis("stage", "ok" if out.returncode == 0 else "error", f"sbcast: {version}")
+
+
+def _stage_dir(path: Path) -> Iterator[Diagnosis]:
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        yield Diagnosis(
+            "stage", "warning", f"{path} does not exist yet", f"install -d -o root -m 0700 {path}"
+        )
+        return
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or mode & 0o077:
+        yield Diagnosis(
+            "stage",
+            "error",
+            f"{path} must be a directory root alone may enter (found mode {mode:o}, "
+            f"uid {st.st_uid})",
+            f"chown root:root {path}; chmod 0700 {path}",
+        )
+        return
+    fs = _filesystem(path)
+    if fs in _NETWORK_FS:
+        yield Diagnosis(
+            "stage",
+            "warning",
+            f"{path} is on {fs}: its per-digest locks and renames want a local disk",
+            "point stage_dir at a local file system",
+        )
+    else:
+        yield Diagnosis("stage", "ok", f"{path} is root's, on {fs or 'a local file system'}")
+
+
+_NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "fuse.sshfs"})
+
+
+def _filesystem(path: Path) -> str:
+    """The file system type of the mount ``path`` is on (the longest mount point)."""
+    best, kind = "", ""
+    target = str(path.resolve())
+    for part in psutil.disk_partitions(all=True):
+        mp = part.mountpoint
+        if (target == mp or target.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best):
+            best, kind = mp, part.fstype
+    return kind
+
+
+def _runs(script: Path, program: str) -> bool:
+    try:
+        with script.open("rb") as f:
+            return program.encode() in f.read(1 << 16)
+    except OSError:
+        return False
 
 
 def check_runtime(ctx: Context) -> Iterator[Diagnosis]:
@@ -420,11 +510,12 @@ ALL: tuple[Check, ...] = (
     check_nvml,
 )
 LOGIN: tuple[Check, ...] = (check_config, check_plugin, check_registry)
+CONTROLLER: tuple[Check, ...] = (check_config, check_stage, check_registry)
 
 
 def run_checks(ctx: Context) -> list[Diagnosis]:
     out: list[Diagnosis] = []
-    for check in LOGIN if ctx.login else ALL:
+    for check in CONTROLLER if ctx.controller else LOGIN if ctx.login else ALL:
         try:
             out.extend(check(ctx))
         except Exception as e:  # one check's bug must not hide the others

@@ -127,7 +127,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from tfimage.agent.cli.progress import ProgressBar
 
     cfg = _config(args)
-    got = Puller(ImageCache(cfg)).ensure(cfg.reference(args.ref), progress=ProgressBar())
+    cache = ImageCache(cfg.staging() if getattr(args, "stage", False) else cfg)
+    got = Puller(cache).ensure(cfg.reference(args.ref), progress=ProgressBar())
     _emit(
         args,
         {
@@ -205,7 +206,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from tfimage.agent.cli.doctor import Context, exit_status, run_checks
     from tfimage.agent.cli.slurmconf import slurm_conf_path
 
-    ctx = Context(Path(args.config), Path(args.slurm_conf or slurm_conf_path()), login=args.login)
+    ctx = Context(
+        Path(args.config),
+        Path(args.slurm_conf or slurm_conf_path()),
+        login=args.login,
+        controller=args.controller,
+    )
     diagnoses = run_checks(ctx)
     status = exit_status(diagnoses)
     if args.json:
@@ -313,8 +319,15 @@ def build_parser(daemon: Handler | None = None) -> argparse.ArgumentParser:
         "1: warnings; 2: errors. Each problem comes with what to fix.",
     )
     dr.add_argument("--json", action="store_true", help="machine-readable output")
-    dr.add_argument(
+    who = dr.add_mutually_exclusive_group()
+    who.add_argument(
         "--login", action="store_true", help="a login node: only config, plugin and registry"
+    )
+    who.add_argument(
+        "--controller",
+        action="store_true",
+        help="slurmctld's host: config, the stage hook (PrologSlurmctld, its deadline, the "
+        "staging cache, sbcast) and registry",
     )
     dr.add_argument("--slurm-conf", default="", help="slurm.conf (default $SLURM_CONF)")
     dr.set_defaults(func=cmd_doctor)

@@ -203,3 +203,49 @@ def test_a_configured_daemon_that_does_not_answer_is_a_warning(tmp_path: Path) -
         srv.bind(str(tmp_path / "daemon.sock"))
         srv.listen(1)
         assert _daemon_diagnosis(str(tmp_path / "daemon.sock"), "steps start Python").level == "ok"
+
+
+def _controller(tmp: Path, registry: Registry, *, prolog_slurmctld: str, timeout: int) -> Context:
+    need("sbcast")
+    cfg = registry.write_site(tmp, stage_dir=str(tmp / "stage"), stage_deadline="300")
+    front = tmp / "tfimage-stage"
+    front.write_text("#!/bin/sh\nexec /opt/tfimage/bin/tfimage-stage\n")
+    (tmp / "slurm.conf").write_text(
+        "ClusterName=doctor\nSlurmctldHost=localhost\n"
+        + (f"PrologSlurmctld={prolog_slurmctld.format(front=front)}\n" if prolog_slurmctld else "")
+        + f"PrologEpilogTimeout={timeout}\nNodeName=n1 CPUs=1\nPartitionName=p Nodes=n1\n"
+    )
+    return Context(cfg, tmp / "slurm.conf", controller=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the staging cache must be root's: run as root")
+def test_a_controller_in_order_exits_0(tmp_path: Path, registry: Registry) -> None:
+    ctx = _controller(tmp_path, registry, prolog_slurmctld="{front}", timeout=1200)
+    (tmp_path / "stage").mkdir(mode=0o700)
+    found = run_checks(ctx)
+    stage = [(d.level, d.message) for d in found if d.check == "stage"]
+    assert [level for level, _ in stage] == ["ok"] * 4, stage
+    assert stage[0][1] == f"PrologSlurmctld runs tfimage-stage ({tmp_path / 'tfimage-stage'})"
+    assert stage[3][1].startswith("sbcast: slurm")
+    assert {d.check for d in found} == {"config", "stage", "registry"}  # no node checks
+    assert exit_status(found) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the staging cache must be root's: run as root")
+def test_a_controller_missing_each_part_is_told_what_to_fix(
+    tmp_path: Path, registry: Registry
+) -> None:
+    ctx = _controller(tmp_path, registry, prolog_slurmctld="", timeout=300)
+    (tmp_path / "stage").mkdir(mode=0o755)
+    found = [d for d in run_checks(ctx) if d.check == "stage"]
+    by_level = {(d.level, d.message.split(":")[0]) for d in found}
+    assert ("warning", "PrologSlurmctld=(unset) does not run tfimage-stage") in by_level
+    assert any(
+        d.level == "error" and "is not below PrologEpilogTimeout (300 s)" in d.message
+        for d in found
+    ), found
+    assert any(
+        d.level == "error" and d.message.startswith(f"{tmp_path / 'stage'} must be a directory")
+        for d in found
+    ), found
+    assert exit_status(found) == 2
