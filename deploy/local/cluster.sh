@@ -10,6 +10,9 @@
 #   cluster.sh status
 #   cluster.sh daemon N  start node N's (or `login`: this host's) tfimage daemon
 #
+# TFIMAGE_STAGE=0 leaves out the controller's stage hook (PrologSlurmctld: one pull
+# per multi-node job, sent to the nodes with sbcast); on by default here.
+#
 # SLURM_FLAVOR=host (default) runs this machine's Slurm; SLURM_FLAVOR=other runs the
 # other Debian generation's Slurm (22.05 <-> 24.11) from a cached chroot built by
 # other-slurm.sh, with the same node names, user, registry and build/cluster.env.
@@ -30,6 +33,7 @@ BRIDGE=tfbr0
 NET=10.203.0
 CTL_ADDR=$NET.1
 NODE_COUNT=${TFIMAGE_NODES:-2}
+STAGE_ON=${TFIMAGE_STAGE:-1}
 # The registry's egress to the nodes, shaped (TFIMAGE_REGISTRY_RATE=200mbit: tc's
 # rate syntax) so that, as at a real site, the registry's link is what a cold pull
 # waits for and not this machine's memory bandwidth; empty: unshaped.
@@ -59,6 +63,7 @@ case "$NODE_COUNT" in
 esac
 [ "$NODE_COUNT" -ge 2 ] && [ "$NODE_COUNT" -le 32 ] \
     || die "TFIMAGE_NODES must be a number of nodes from 2 to 32, not '$NODE_COUNT'"
+case "$STAGE_ON" in 0 | 1) ;; *) die "TFIMAGE_STAGE must be 0 or 1, not '$STAGE_ON'" ;; esac
 [ -z "$REGISTRY_RATE" ] || [[ $REGISTRY_RATE =~ ^[1-9][0-9]{0,5}[kmg]?bit$ ]] \
     || die "TFIMAGE_REGISTRY_RATE must be a rate like 200mbit, not '$REGISTRY_RATE'"
 NODES=()
@@ -407,7 +412,10 @@ KillWait=5
 InactiveLimit=0
 MinJobAge=300
 $nodes
-PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+# debug: the first two nodes whatever TFIMAGE_NODES is, so that a -N2 job lands on n1
+# and n2 as the tests expect; all: every node (jobs on more, the fleet's benches).
+PartitionName=debug Nodes=${NODES[0]},${NODES[1]} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=all Nodes=$(IFS=,; echo "${NODES[*]}") MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
     chmod 0644 "$ETC/slurm.conf"
     # A job's cgroup may open only its own GPUs' device files (gres.conf's File=), as
@@ -517,8 +525,9 @@ write_role_vars() {
     else
         wheel=$WHEEL; src=$REPO; build=$STATE/spank-build
     fi
-    printf '[compute]\nlocalhost ansible_connection=local ansible_python_interpreter=/usr/bin/python3 ansible_become=false\n' \
-        >"$a/inventory.ini"
+    local host='localhost ansible_connection=local ansible_python_interpreter=/usr/bin/python3 ansible_become=false'
+    # This machine is slurmctld's host too: the controller play wires the stage hook.
+    printf '[compute]\n%s\n[slurmctld]\n%s\n' "$host" "$host" >"$a/inventory.ini"
     (umask 077; cat >"$a/vars.yml" <<YML
 # Written by deploy/local/cluster.sh for deploy/local/role.sh
 tfimage_wheel: "$wheel"
@@ -553,6 +562,10 @@ tfimage_registry_credentials:
 tfimage_access: {"$TEAM/*": ["@$TEAM"]}
 tfimage_runtime: charliecloud
 tfimage_cache_dir: /var/cache/tfimage
+# The controller's one pull per multi-node job (TFIMAGE_STAGE=0: off), its staging
+# cache emptied with the controller's state (start_slurm).
+tfimage_stage: $([ "$STAGE_ON" = 0 ] && echo false || echo true)
+tfimage_stage_dir: $STATE/stage
 tfimage_state_dir: /run/tfimage
 # The seed's default mount, with the site's data at $STATE/data standing in for /data
 # (the fake GPUs' device files need none: they are in the node's /dev, which ch-run binds)
@@ -630,7 +643,7 @@ start_slurm() {
     # Job ids start again at 1 with a fresh slurmctld state: the nodes' spools must go
     # too, or a slurmd that remembers job 4's credential from the last cluster skips
     # the new job 4's prolog ("reissued job credential for job 4").
-    rm -rf "$STATE/ctld" "$STATE/spool"
+    rm -rf "$STATE/ctld" "$STATE/spool" "$STATE/stage"
     mkdir -p "$STATE/ctld" "$ROOT/var/cache/tfimage" "$ROOT/run/tfimage" "$ROOT/var/log/tfimage" \
         "$ROOT/var/lib/prometheus/node-exporter"
     SLURM_CONF=$ETC/slurm.conf in_root slurmctld -i \
@@ -640,6 +653,10 @@ start_slurm() {
         # node_exporter's textfile directory: this cluster's metrics alone
         rm -rf "$nd/metrics"
         mkdir -p "$STATE/spool/$n" "$nd/cache" "$nd/run" "$nd/log" "$nd/metrics" "$nd/dev"
+        # As the role makes it: the controller's sbcast writes there as the job's user.
+        mkdir -p "$nd/cache/staged"
+        chown root:root "$nd/cache/staged"
+        chmod 1733 "$nd/cache/staged"
         # Own network, hostname and mounts: cache, /run state and /dev (with the
         # node's GPUs: node_dev) really are per node.
         : >"$LOGS/slurmd-$n.log"
@@ -720,6 +737,7 @@ export TFIMAGE_SLURM_FLAVOR=$FLAVOR
 export TFIMAGE_CHROOT=$ROOT
 export TFIMAGE_NODE_NAMES="${NODES[*]}"
 export TFIMAGE_REGISTRY_RATE=$REGISTRY_RATE
+export TFIMAGE_STAGE=$([ "$STAGE_ON" = 0 ] && echo 0 || echo 1)
 ENV
 }
 

@@ -1,4 +1,4 @@
-"""The role's Prolog and Epilog scripts send each hook exactly the wire's flags
+"""The role's Prolog, Epilog and PrologSlurmctld scripts send each hook exactly the wire's flags
 (``wire.HOOK_FLAGS``), in its order, each from the Slurm variables the table names:
 the scripts are rendered from the role's templates and run by ``sh`` against a
 stand-in ``tfimage-hook`` that prints what it was given, and what they send is what
@@ -17,10 +17,16 @@ from tfimage.agent.core import wire
 from tfimage.agent.hooks.args import hook_parser
 
 ROLE = Path(__file__).resolve().parents[3] / "deploy/ansible/roles/tfimage"
-TEMPLATE = {"tfimage-prolog": "prolog.j2", "tfimage-epilog": "epilog.j2"}
+TEMPLATE = {
+    "tfimage-prolog": "prolog.j2",
+    "tfimage-epilog": "epilog.j2",
+    wire.STAGE_HOOK: "stage.j2",
+}
+# The stage hook's front starts nothing for a job on one node.
+MULTI_NODE = {"SLURM_JOB_NUM_NODES": "2"}
 
 
-def _script(tmp_path: Path, prog: str) -> Path:
+def _script(tmp_path: Path, prog: str, chained: str = "") -> Path:
     jinja2 = pytest.importorskip("jinja2", reason="jinja2 comes with ansible-core (make lint)")
     pytest.importorskip("ansible", reason="the role's bool filter is ansible-core's (make venv)")
     defaults = yaml.safe_load((ROLE / "defaults/main.yml").read_text())
@@ -37,6 +43,7 @@ def _script(tmp_path: Path, prog: str) -> Path:
             "tfimage_prefix": "/opt/tfimage",
             "tfimage_config_dir": "/etc/tfimage",
             "tfimage_state_dir": "/run/tfimage",
+            "tfimage_stage_chained": chained,
         }
     )
     hook = tmp_path / "tfimage-hook"
@@ -50,7 +57,7 @@ def _script(tmp_path: Path, prog: str) -> Path:
 def _sent(script: Path, environ: dict[str, str]) -> list[str]:
     out = subprocess.run(
         ["sh", str(script)],
-        env={"PATH": os.environ["PATH"], **environ},
+        env={"PATH": os.environ["PATH"], **MULTI_NODE, **environ},
         capture_output=True,
         check=True,
         timeout=30,
@@ -125,6 +132,15 @@ SLURMS_OWN = {
         ("--gpus", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"),
         ("--mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
     ],
+    # slurmctld's PrologSlurmctld environment (slurm.conf(5)): the job's node list and
+    # owner, and its SPANK_ control variables.
+    wire.STAGE_HOOK: [
+        ("--job", "SLURM_JOB_ID"),
+        ("--image", "SPANK_TFIMAGE_IMAGE"),
+        ("--nodes", "SLURM_JOB_NODELIST"),
+        ("--uid", "SLURM_JOB_UID"),
+        ("--gid", "SLURM_JOB_GID"),
+    ],
 }
 
 
@@ -143,3 +159,51 @@ def test_a_script_given_slurms_variables_sends_each_value_under_its_flag(
     environ = {var: f"v-{var}" for row in SLURMS_OWN[prog] for var in row[1:]}
     sent = dict(a.split("=", 1) for a in _sent(_script(tmp_path, prog), environ)[1:])
     assert sent == {row[0]: f"v-{row[1]}" for row in SLURMS_OWN[prog]}
+
+
+def _run(script: Path, environ: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        ["sh", str(script)],
+        env={"PATH": os.environ["PATH"], **environ},
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"SLURM_JOB_NUM_NODES": "4"},
+        {wire.PROLOG_IMAGE_VAR: "tiny@sha256:" + "1" * 64, "SLURM_JOB_NUM_NODES": "1"},
+        {wire.PROLOG_IMAGE_VAR: "tiny@sha256:" + "1" * 64},
+        {wire.PROLOG_IMAGE_VAR: "tiny@sha256:" + "1" * 64, "SLURM_JOB_NUM_NODES": "2x"},
+    ],
+    ids=["no-image", "one-node", "no-count", "not-a-count"],
+)
+def test_the_stage_front_starts_nothing_for_a_job_it_cannot_help(
+    tmp_path: Path, environ: dict[str, str]
+) -> None:
+    done = _run(_script(tmp_path, wire.STAGE_HOOK), environ)
+    assert (done.returncode, done.stdout) == (0, b"")
+
+
+def test_the_stage_front_exits_0_whatever_the_hook_does(tmp_path: Path) -> None:
+    script = _script(tmp_path, wire.STAGE_HOOK)
+    (tmp_path / "tfimage-hook").write_text("#!/bin/sh\nexit 70\n")
+    done = _run(script, {wire.PROLOG_IMAGE_VAR: "tiny:1.0", "SLURM_JOB_NUM_NODES": "3"})
+    assert done.returncode == 0
+
+
+def test_a_chained_site_program_runs_first_and_its_failure_is_kept(tmp_path: Path) -> None:
+    """Slurm 22.05 runs one PrologSlurmctld: the site's own, chained, still decides."""
+    site = tmp_path / "site-ctld-prolog"
+    site.write_text(f"#!/bin/sh\necho ran >{tmp_path}/site-ran\nexit ${{SITE_EXIT:-0}}\n")
+    site.chmod(0o755)
+    script = _script(tmp_path, wire.STAGE_HOOK, chained=str(site))
+    env = {wire.PROLOG_IMAGE_VAR: "tiny:1.0", "SLURM_JOB_NUM_NODES": "3"}
+    ok = _run(script, env)
+    assert ok.returncode == 0 and (tmp_path / "site-ran").exists()
+    assert ok.stdout.split(b"\0")[2].endswith(b"tfimage-stage")  # then tfimage's
+    failed = _run(script, {**env, "SITE_EXIT": "3"})
+    assert (failed.returncode, failed.stdout) == (3, b"")
