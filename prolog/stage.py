@@ -66,6 +66,8 @@ def _stage(argv: Sequence[str] | None, log: logging.Logger) -> int:
     from tfimage.agent.stage.job import stage  # a job that stops above loads none of it
 
     outcome = stage(cfg, args.job_id, args.image, args.nodes, owner)
+    if outcome.held:
+        return 0  # a warm job: a line for each would say nothing new
     line = outcome.line(args.job_id, oneline(args.image, 200))
     (log.error if outcome.failed else log.info)("%s", line)
     return 0

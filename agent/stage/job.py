@@ -58,6 +58,7 @@ class Outcome:
     seconds: float = 0.0
     skipped: str | None = None  # why the nodes keep their own path (no failure)
     failed: str | None = None  # why the broadcast did not happen: each node pulls
+    held: bool = False  # every node holds it already: a warm job, nothing to say
 
     def line(self, job_id: str, image: str) -> str:
         """One log line for the hook."""
@@ -112,7 +113,9 @@ def stage(
     ledger = Ledger(cfg.stage_dir)
     lacking = ledger.lacking(ref.digest, nodes, now(), cfg.cache_min_age)
     if not lacking:
-        return Outcome(len(nodes), skipped=f"all {len(nodes)} nodes hold {ref.digest[:19]}")
+        return Outcome(
+            len(nodes), skipped=f"all {len(nodes)} nodes hold {ref.digest[:19]}", held=True
+        )
     # The daemon ends any hook's worker soon after hook_deadline.
     limit = min(cfg.stage_deadline, cfg.hook_deadline)
     try:

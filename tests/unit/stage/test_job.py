@@ -97,7 +97,7 @@ def test_a_job_on_nodes_that_were_just_sent_the_image_pulls_and_sends_nothing(
     tree = Tree(tmp_path, site)
     stage(site, "8", f"stheld@{digest}", "n[1-4]", OWNER, broadcast=tree, generation=lambda: None)
     again = stage(site, "9", f"stheld@{digest}", "n[1-4]", OWNER, broadcast=tree)
-    assert again.skipped == f"all 4 nodes hold {digest[:19]}"
+    assert (again.skipped, again.held) == (f"all 4 nodes hold {digest[:19]}", True)
     assert len(tree.calls) == 2  # the first job's manifest and SIF, nothing since
 
 
