@@ -146,7 +146,10 @@ if [ "$STRICT" = 1 ] && [ "$OTHER_RAN" = 1 ] && [ "$FLAVORS" != host ]; then
 fi
 for flavor in $FLAVORS; do
     step "cluster $flavor" "local cluster: SLURM_FLAVOR=$flavor"
-    SLURM_FLAVOR=$flavor bash deploy/local/cluster.sh up || fail "cluster up ($flavor)"
+    # Four nodes: the stage hook's multi-node jobs (partition all); -N2 jobs keep
+    # landing on n1 and n2 (debug, the default partition).
+    TFIMAGE_NODES=${TFIMAGE_NODES:-4} SLURM_FLAVOR=$flavor bash deploy/local/cluster.sh up \
+        || fail "cluster up ($flavor)"
     # shellcheck disable=SC1091
     version=$(. build/cluster.env && ${TFIMAGE_CHROOT:+chroot "$TFIMAGE_CHROOT"} sinfo -V | awk '{print $2}')
     echo "tests: Slurm $version ($flavor) up in $(fmt $((SECONDS - T_STEP)))"

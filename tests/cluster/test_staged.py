@@ -1,5 +1,5 @@
 """A copy staged on the job's nodes before their prologs run (as the controller's
-sbcast will leave it: issue 42), on the real cluster: adopted when it is exactly
+sbcast leaves it: test_stage.py), on the real cluster: adopted when it is exactly
 the pinned image, so a registry stopped meanwhile is never missed; a corrupt copy
 refused and the image pulled; a node that holds the image discards the copy."""
 
@@ -23,11 +23,20 @@ pytestmark = pytest.mark.cluster
 NODES = ("n1", "n2")
 
 
-def _stage(cluster: Cluster, node: str, digest: str, job: str, manifest: bytes, sif: bytes) -> None:
+def _stage(
+    cluster: Cluster,
+    node: str,
+    digest: str,
+    job: str,
+    manifest: bytes,
+    sif: bytes,
+    owner: str = "",
+) -> None:
     """Both files in the node's staged/, owned by the job's user as Slurm 22.05's
-    sbcast writes them (it refuses a broadcast to a job from anyone else)."""
+    sbcast writes them (it refuses a broadcast to a job from anyone else), or by
+    ``owner``: root's, the controller's own broadcast cannot replace them."""
     cache = cluster.state / "nodes" / node / "cache"
-    user = pwd.getpwnam(cluster.user)
+    user = pwd.getpwnam(owner or cluster.user)
     for path, data in zip(layout.cache_staged(cache, digest, job), (manifest, sif), strict=True):
         path.write_bytes(data)
         os.chown(path, user.pw_uid, user.pw_gid)
@@ -117,7 +126,7 @@ def test_a_corrupt_staged_copy_is_refused_and_the_node_pulls(
     evil = bytearray(sif)
     evil[-1] ^= 0xFF
     with _held_job(cluster, workdir, name, "corrupt") as job:
-        _stage(cluster, "n2", digest, job, manifest, bytes(evil))
+        _stage(cluster, "n2", digest, job, manifest, bytes(evil), owner="root")
     assert (workdir / "corrupt.out").read_text().split() == [name.split(":")[0]] * 2
     rec = _record(cluster, "n2", job)
     assert rec["cache"] == "miss" and rec["source"] == cluster.env["TFIMAGE_REGISTRY"], rec

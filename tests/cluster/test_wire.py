@@ -94,6 +94,9 @@ def test_the_plugin_speaks_exactly_the_wire_in_a_job(
         "out.txt",
     )
     assert r.returncode == 0, r.stderr
+    # ...and a job on two nodes, whose PrologSlurmctld the login host's daemon serves.
+    r = cluster.run(["srun", "-N2", "--tf-image=tiny:1.0", "true"], cwd=workdir)
+    assert r.returncode == 0, r.stderr
     entries = _entries(node_trace)
     seen: set[str] = set()
     hooks: set[str] = set()
@@ -111,7 +114,14 @@ def test_the_plugin_speaks_exactly_the_wire_in_a_job(
         assert e["status"] == 0, e
         answer = wire.decode_step_answer(base64.b64decode(str(e["stdout"])))
         assert answer.argv[0].endswith("/ch-run")
-    assert hooks == set(wire.HOOKS)
+    assert hooks == set(wire.HOOKS) - {wire.STAGE_HOOK}
+    staged = [e for e in _entries(login_trace) if e["socket"] == "root"]
+    assert staged, "the two-node job's stage hook did not reach the login host's daemon"
+    for e in staged:
+        argv = [str(a) for a in e["argv"]]  # type: ignore[union-attr]
+        names = [a.partition("=")[0] for a in argv[1:]]
+        assert argv[0] == wire.STAGE_HOOK and e["status"] == 0, e
+        assert names == ["--config", *(f.name for f in wire.HOOK_FLAGS[wire.STAGE_HOOK])], argv
     # Both ways: every flag the Python side accepts was sent in these two jobs.
     assert seen == {f.name for f in wire.STEP_PREPARE_FLAGS}, seen
     pins = [e for e in _entries(login_trace) if e["socket"] == "pin"]
