@@ -71,12 +71,16 @@ chroot_ansible() {
             "$(grep '^ansible-core' "$REQS")"
     fi
     local src=$root/usr/src/tfimage-src
-    mkdir -p "$src/spank" "$src/deploy" "$src/dist"
+    mkdir -p "$src/spank" "$src/deploy" "$src/dist" "$src/docs/man"
     rm -rf "$src/deploy/ansible"
     cp -r "$REPO/deploy/ansible" "$src/deploy/ansible"
     # Only what changed, so the role's copy tasks see unchanged files as unchanged.
     for f in "$REPO"/spank/*.c "$REPO"/spank/*.h "$REPO/spank/Makefile" "$REPO/spank/tfimage.lds"; do
         cmp -s "$f" "$src/spank/$(basename "$f")" || cp "$f" "$src/spank/"
+    done
+    # The role installs tfimage-spank(8) from the sources too.
+    for f in "$REPO"/docs/man/*; do
+        cmp -s "$f" "$src/docs/man/$(basename "$f")" || cp "$f" "$src/docs/man/"
     done
     for f in "$REPO"/build/dist/tfimage-*.whl; do
         cmp -s "$f" "$src/dist/$(basename "$f")" || cp "$f" "$src/dist/"
