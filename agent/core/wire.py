@@ -124,6 +124,10 @@ DEFAULT_HOOK_DEADLINE = 600  # the config's hook_deadline; prepare_timeout adds 
 # says why, turns --tf-image off for new submissions; what is queued or running goes
 # on (the plugin checks it at submit only, and not for an srun inside such a job).
 OFF_SWITCH = "submit.off"
+# The controller's: a file of this name beside the config turns the stage hook off
+# at once (its front exits before anything starts), where Slurm 22.05 would need
+# slurmctld restarted to drop the PrologSlurmctld line.
+STAGE_OFF_SWITCH = "stage.off"
 
 PLUGSTACK_KEYS = ("helper", "config", "daemon", "pin_socket", "submit_timeout", "prepare_timeout")
 

@@ -26,7 +26,7 @@ TEMPLATE = {
 MULTI_NODE = {"SLURM_JOB_NUM_NODES": "2"}
 
 
-def _script(tmp_path: Path, prog: str, chained: str = "") -> Path:
+def _script(tmp_path: Path, prog: str, chained: str = "", config_dir: str = "/etc/tfimage") -> Path:
     jinja2 = pytest.importorskip("jinja2", reason="jinja2 comes with ansible-core (make lint)")
     pytest.importorskip("ansible", reason="the role's bool filter is ansible-core's (make venv)")
     defaults = yaml.safe_load((ROLE / "defaults/main.yml").read_text())
@@ -41,7 +41,7 @@ def _script(tmp_path: Path, prog: str, chained: str = "") -> Path:
             "tfimage_daemon": True,
             "tfimage_plugin_dir": str(tmp_path),
             "tfimage_prefix": "/opt/tfimage",
-            "tfimage_config_dir": "/etc/tfimage",
+            "tfimage_config_dir": config_dir,
             "tfimage_state_dir": "/run/tfimage",
             "tfimage_stage_chained": chained,
         }
@@ -186,6 +186,18 @@ def test_the_stage_front_starts_nothing_for_a_job_it_cannot_help(
 ) -> None:
     done = _run(_script(tmp_path, wire.STAGE_HOOK), environ)
     assert (done.returncode, done.stdout) == (0, b"")
+
+
+def test_the_stage_front_starts_nothing_while_the_admins_switch_is_there(
+    tmp_path: Path,
+) -> None:
+    config_dir = tmp_path / "etc"
+    config_dir.mkdir()
+    script = _script(tmp_path, wire.STAGE_HOOK, config_dir=str(config_dir))
+    env = {wire.PROLOG_IMAGE_VAR: "tiny:1.0", "SLURM_JOB_NUM_NODES": "3"}
+    assert _run(script, env).stdout  # on: the hook is asked
+    (config_dir / wire.STAGE_OFF_SWITCH).write_text("off while the controller's disk is replaced\n")
+    assert (_run(script, env).returncode, _run(script, env).stdout) == (0, b"")
 
 
 def test_the_stage_front_exits_0_whatever_the_hook_does(tmp_path: Path) -> None:
