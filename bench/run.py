@@ -1,6 +1,6 @@
 """tfimage benchmarks: one command, ratios against baselines measured in the same run.
 
-    python bench/run.py [all|launch|pull|gpu|usage|start] [--runs N]
+    python bench/run.py [all|launch|pull|gpu|usage|start|stage] [--runs N] [--mib N]
 
 - gpu: see bench/gpu.py (the GPU gate on 8 fake GPUs, in process and as the
   prolog, against the same NVML reads bare).  Needs no cluster.
@@ -14,6 +14,10 @@
 
 - pull: see bench/pull.py (verified pull against curl and oras-py, 16 at once,
   warm hits, cache ls over 10,000 entries).
+
+- stage: see bench/stage.py (a cold 4-node job's time and registry egress with
+  the controller's stage hook and without, as ratios to one node's cold pull).
+  Needs TFIMAGE_NODES=4 and a shaped registry (TFIMAGE_REGISTRY_RATE=200mbit).
 
 - launch: added cost of --tf-image on a step with a warm cache,
   `srun -N2 -n4 --tf-image=tiny:1.0 /bin/sh -c true` against the same srun without it,
@@ -82,10 +86,11 @@ def main() -> None:
     ap.add_argument(
         "what",
         nargs="?",
-        choices=("all", "launch", "pull", "gpu", "usage", "start"),
+        choices=("all", "launch", "pull", "gpu", "usage", "start", "stage"),
         default="all",
     )
     ap.add_argument("--runs", type=int, default=0, help="runs per measurement")
+    ap.add_argument("--mib", type=int, default=512, help="stage: each image's size in MiB")
     args = ap.parse_args()
     if args.what in ("all", "gpu"):
         import gpu
@@ -105,6 +110,11 @@ def main() -> None:
         print("\nlaunch: skipped: the local cluster is not up (make cluster-up)")
         return
     env = cluster_env()
+    if args.what == "stage":  # not in "all": it wants 4 nodes and a shaped link
+        import stage
+
+        stage.main(env, args.mib)
+        return
     if args.what in ("all", "pull"):
         import pull
 
@@ -171,13 +181,15 @@ def settle(env: dict[str, str]) -> None:
 
 _DAEMON_LINE = re.compile(
     r"tfimage: daemon: (pin) uid \d+ -> 0 in (\d+) ms"
-    r"|tfimage: daemon: (tfimage-prolog|step-prepare) job (\d+)(?: step \d+)? -> 0 in (\d+) ms"
+    r"|tfimage: daemon: (tfimage-stage|tfimage-prolog|step-prepare)"
+    r" job (\d+)(?: step \d+)? -> 0 in (\d+) ms"
 )
 
 
 def where(seen: dict[Path, int], added: float) -> None:
     """Where the added time goes, from the daemons' own logs of these rounds: the
-    pin (login node), the prolog and the step's preparation (the slower node of
+    pin (login node), the stage hook (the controller's, where it runs), the prolog
+    and the step's preparation (the slower node of
     each job, as the step waits for both).  Each is the worker's own time, from
     its request read to its answer."""
     pins: list[float] = []
@@ -193,9 +205,12 @@ def where(seen: dict[Path, int], added: float) -> None:
                     per_job[key] = max(per_job.get(key, 0.0), float(m.group(5)))
     phases = {
         "pin": pins,
+        "stage (controller)": [v for (k, _), v in per_job.items() if k == "tfimage-stage"],
         "prolog": [v for (k, _), v in per_job.items() if k == "tfimage-prolog"],
         "step preparation": [v for (k, _), v in per_job.items() if k == "step-prepare"],
     }
+    if not phases["stage (controller)"]:
+        del phases["stage (controller)"]  # the cluster runs without the stage hook
     if not all(phases.values()):
         print("launch: where it goes: no daemon log lines for these rounds")
         return
