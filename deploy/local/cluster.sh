@@ -166,6 +166,10 @@ down() {
         ip link del "veth-$n" 2>/dev/null || true
     done
     ip link del "$BRIDGE" 2>/dev/null || true  # and its qdisc (shape_registry)
+    if [ -f "$RUN/lo-shaped" ]; then
+        tc qdisc del dev lo root 2>/dev/null || true
+        rm -f "$RUN/lo-shaped"
+    fi
     hosts_entries remove
     rm -f "$ENV_FILE" "$RUN/nodes"
     log "down"
@@ -218,13 +222,23 @@ setup_network() {
 # The registry's egress (what this host sends from its port into the bridge) gets
 # REGISTRY_RATE; everything else on the bridge, and node-to-node traffic (which
 # the bridge forwards port to port, never through this qdisc), stays unshaped.
+# So does what it sends to this host itself over loopback, where the controller's
+# stage hook pulls: a real controller has a link too.  (Loopback's qdisc is this
+# machine's; down removes it only if up added it.)
 shape_registry() {
     [ -n "$REGISTRY_RATE" ] || return 0
-    net tc qdisc add dev "$BRIDGE" root handle 1: htb default 10 r2q 1000
-    net tc class add dev "$BRIDGE" parent 1: classid 1:20 htb rate "$REGISTRY_RATE" ceil "$REGISTRY_RATE"
-    net tc filter add dev "$BRIDGE" protocol ip parent 1: prio 1 u32 \
-        match ip src "$CTL_ADDR/32" match ip sport "$REG_PORT" 0xffff flowid 1:20
-    log "registry egress shaped to $REGISTRY_RATE"
+    local dev
+    for dev in "$BRIDGE" lo; do
+        if [ "$dev" = lo ]; then
+            tc qdisc show dev lo | grep -q '^qdisc htb' && { log "lo has an htb qdisc already: the controller's pulls stay unshaped"; continue; }
+            : >"$RUN/lo-shaped"
+        fi
+        net tc qdisc add dev "$dev" root handle 1: htb default 10 r2q 1000
+        net tc class add dev "$dev" parent 1: classid 1:20 htb rate "$REGISTRY_RATE" ceil "$REGISTRY_RATE"
+        net tc filter add dev "$dev" protocol ip parent 1: prio 1 u32 \
+            match ip src "$CTL_ADDR/32" match ip sport "$REG_PORT" 0xffff flowid 1:20
+    done
+    log "registry egress shaped to $REGISTRY_RATE (to the nodes and to the controller)"
 }
 
 start_munge() {
