@@ -99,6 +99,7 @@ def serve(
     import tfimage.agent.registry.client
     import tfimage.agent.registry.credentials
     import tfimage.agent.registry.transport
+    import tfimage.agent.stage.job  # the controller's: a warm job's answer is a ledger read
     import tfimage.agent.step.binds
     import tfimage.agent.step.plan
     import tfimage.agent.step.taskenv
