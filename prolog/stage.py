@@ -53,8 +53,8 @@ def _stage(argv: Sequence[str] | None, log: logging.Logger) -> int:
     log_to(Path(cfg.hook_log), NAME)
     if os.geteuid() != 0:
         log.error(
-            "job %s: stage: runs as uid %d, not root: the controller's daemon is not "
-            "listening; each node pulls for itself",
+            "job %s: stage: runs as uid %d, not root: the controller's daemon does not "
+            "answer on its stage socket; each node pulls for itself",
             args.job_id,
             os.geteuid(),
         )

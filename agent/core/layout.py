@@ -67,6 +67,7 @@ StrPath = str | Path
 
 DAEMON_SOCKET = "daemon.sock"
 PIN_SOCKET = "pin.sock"
+STAGE_SOCKET = "stage.sock"
 KEY_PREFIX = "sha256-"
 KEY_LENGTH = len(KEY_PREFIX) + 64
 
@@ -99,6 +100,11 @@ def daemon_socket(state_dir: StrPath) -> Path:
 
 def pin_socket(state_dir: StrPath) -> Path:
     return Path(state_dir) / PIN_SOCKET
+
+
+def stage_socket(state_dir: StrPath) -> Path:
+    """Slurm's user's way to the controller's stage hook (daemon/server.py)."""
+    return Path(state_dir) / STAGE_SOCKET
 
 
 def last_seen(state_dir: StrPath) -> Path:

@@ -66,7 +66,8 @@ it against the parsers here, both ways.
    ``--nodes`` is ``SLURM_JOB_NODELIST``, Slurm's compact list, counted before it is
    expanded; ``--uid`` and ``--gid`` the job owner's, whom the broadcast runs as.
    Its front (the role's ``tfimage-stage`` script) starts nothing for a job without
-   ``--tf-image`` or on one node (``SLURM_JOB_NUM_NODES``).
+   ``--tf-image`` or on one node (``SLURM_JOB_NUM_NODES``), and asks the daemon's
+   stage socket (Slurm's user's: ``PrologSlurmctld`` runs as that user).
 
    ``tfimage-hook SOCKET DEADLINE PROGRAM ARGS...`` waits ``DEADLINE`` +
    :data:`HOOK_GRACE` seconds, and runs ``PROGRAM`` itself only when no daemon

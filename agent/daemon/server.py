@@ -21,6 +21,11 @@ later, and its clients wait ``HOOK_GRACE``, so no hook ever runs twice at once. 
 hook's answer is 0 whatever went wrong inside the daemon (hooks/log.py: only a node
 fault may drain a node).
 
+The stage socket, ``stage.sock`` (mode 0600, Slurm's user's: config ``slurm_user``),
+serves the controller's stage hook (``PrologSlurmctld`` runs as that user) and
+nothing else, to that user and root, exactly as the root socket does: the hook
+then runs as root, which the staging cache and the credentials need.
+
 The pin socket, ``pin.sock`` (mode 0666), serves every local user one thing:
 pinning a reference at submit (pinserver.py: its request and its trust).  A request
 must arrive whole within ``PIN_READ`` seconds (not per read: a byte every second
@@ -47,7 +52,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from tfimage.agent.core import wire
+from tfimage.agent.core import layout, wire
 from tfimage.agent.core.config import Config, load_config
 from tfimage.agent.core.errors import TfimageError
 from tfimage.agent.daemon import worker
@@ -57,7 +62,22 @@ MAX_PINS_PER_UID = 4
 PIN_DEADLINE = 60  # seconds; the plugin gives up sooner (submit_timeout)
 
 
-def _bind(path: Path, mode: int = 0o600) -> socket.socket:
+def _slurm_uid(cfg: Config) -> int | None:
+    """Slurm's user's uid (config ``slurm_user``), where this host knows that user."""
+    import pwd
+
+    try:
+        return pwd.getpwnam(cfg.slurm_user).pw_uid
+    except KeyError:
+        print(
+            f"tfimage: daemon: slurm_user {cfg.slurm_user!r} is no user here: no stage socket",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+
+
+def _bind(path: Path, mode: int = 0o600, owner: int = 0) -> socket.socket:
     parent = path.parent
     st = parent.stat()
     if st.st_uid != 0 or st.st_mode & 0o022:
@@ -72,6 +92,8 @@ def _bind(path: Path, mode: int = 0o600) -> socket.socket:
     finally:
         os.umask(old)
     os.chmod(path, mode)
+    if owner:
+        os.chown(path, owner, -1)
     s.listen(64)
     return s
 
@@ -118,6 +140,10 @@ def serve(
     listeners = {_bind(path): "root"}
     if pin_path is not None:
         listeners[_bind(pin_path, 0o666)] = "pin"
+    stage_path = path.parent / layout.STAGE_SOCKET
+    slurm_uid = _slurm_uid(cfg)
+    if slurm_uid is not None:
+        listeners[_bind(stage_path, 0o600, owner=slurm_uid)] = "stage"
     sel = selectors.DefaultSelector()
     for sock, kind in listeners.items():
         sock.setblocking(False)
@@ -125,14 +151,16 @@ def serve(
     print(f"tfimage: daemon listening on {path}", file=sys.stderr, flush=True)
     if pin_path is not None:
         print(f"tfimage: daemon pinning on {pin_path}", file=sys.stderr, flush=True)
+    if slurm_uid is not None:
+        print(f"tfimage: daemon staging on {stage_path}", file=sys.stderr, flush=True)
     parent = os.getpid()
     # systemctl stop (SIGTERM): leave no socket behind for clients to find dead.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        _loop(sel, listeners, cfg, routes, config_path, worker.Trace(trace))
+        _loop(sel, listeners, cfg, routes, config_path, worker.Trace(trace), slurm_uid)
     finally:
         if os.getpid() == parent:
-            for p in (path, pin_path):
+            for p in (path, pin_path, stage_path if slurm_uid is not None else None):
                 if p is not None:
                     with contextlib.suppress(OSError):
                         p.unlink()
@@ -195,6 +223,7 @@ def _loop(
     routes: Mapping[str, worker.Route],
     config_path: Path | None,
     trace: worker.Trace,
+    slurm_uid: int | None = None,
 ) -> None:
     workers = _Workers()
     while True:
@@ -224,7 +253,7 @@ def _loop(
                     worker.answer(conn, 75, b"tfimage: pin server: busy\n", b"")
                     conn.close()
                     continue
-            limit = _root_limit(cfg, config_path) if kind == "root" else PIN_DEADLINE
+            limit = _root_limit(cfg, config_path) if kind != "pin" else PIN_DEADLINE
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
@@ -235,6 +264,8 @@ def _loop(
                 try:
                     if kind == "root":
                         worker.work(conn, routes, trace)
+                    elif kind == "stage":
+                        worker.work(conn, routes, trace, stage_peer=slurm_uid)
                     else:
                         worker.pin(conn, cfg, trace)
                 finally:

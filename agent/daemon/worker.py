@@ -123,20 +123,29 @@ class Trace:
                 os.close(fd)
 
 
-def work(conn: socket.socket, routes: Mapping[str, Route], trace: Trace) -> None:
-    """In the forked worker: run one request with stdout and stderr captured."""
+def work(
+    conn: socket.socket,
+    routes: Mapping[str, Route],
+    trace: Trace,
+    stage_peer: int | None = None,
+) -> None:
+    """In the forked worker: run one request with stdout and stderr captured.
+    ``stage_peer`` (the stage socket's): Slurm's user's uid, whom it serves the
+    controller's stage hook and nothing else, as it serves root."""
     started = time.monotonic()
     status, out, err = 70, b"", b""
     what = ["?"]
     hook = False
     argv: list[str] | None = None
     try:
-        if peer_uid(conn) != 0:
+        if peer_uid(conn) not in (0, stage_peer):
             print("tfimage: daemon: refused a non-root peer", file=sys.stderr, flush=True)
             return  # not root: say nothing
         argv = _read_request(conn)
         if argv is None:
             return
+        if stage_peer is not None and argv[0] != wire.STAGE_HOOK:
+            raise RequestError(f"only {wire.STAGE_HOOK} is served on the stage socket")
         hook = argv[0] in HOOKS
         what = [argv[0] if hook else wire.STEP_PREPARE, *_ids(argv)]
         route: Route = routes[argv[0]] if hook else routes[CLI]

@@ -259,3 +259,55 @@ def test_sigterm_stops_it_cleanly_leaving_no_socket(tmp_path: Path) -> None:
         proc.terminate()  # systemctl stop
         assert proc.wait(10) == 0
         assert list(run.iterdir()) == []  # clients find no socket, not a dead one
+
+
+ASK = (
+    "import socket, struct, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+    "s.sendall(b'TFI1\\0' + b''.join(a.encode() + b'\\0' for a in sys.argv[2:])); "
+    "s.shutdown(socket.SHUT_WR); d = b''\n"
+    "while c := s.recv(65536): d += c\n"
+    "st, n = struct.unpack('>iI', d[:8]); print(st); print(d[8:8 + n].decode())"
+)
+
+
+def _as(uid: int, sock: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["/usr/bin/python3", "-c", ASK, str(sock), *args],
+        user=uid,
+        group=uid,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_the_stage_socket_serves_slurms_user_the_stage_hook_alone(tmp_path: Path) -> None:
+    """PrologSlurmctld runs as Slurm's user: the stage socket (its, 0600) runs the stage
+    hook for it as root, and nothing else; no one else may connect."""
+    import pwd
+
+    slurm = pwd.getpwnam("slurm").pw_uid  # Debian's slurm-wlm packages make it
+    log = tmp_path / "hooks.log"
+    conf = f"registry: r.example\nstate_dir: {{run}}\ncache_dir: {tmp_path / 'cache'}\n"
+    conf += f"usage_log: {tmp_path / 'usage.jsonl'}\nmetrics_dir: {tmp_path / 'metrics'}\n"
+    conf += f"hook_log: {log}\nstage_dir: {tmp_path / 'stage'}\nslurm_user: slurm\n"
+    with started_daemon(tmp_path, conf) as (run, cfg, _):
+        sock = run / "stage.sock"
+        st = sock.stat()
+        assert (st.st_uid, st.st_mode & 0o777) == (slurm, 0o600)
+        hook = ["tfimage-stage", f"--config={cfg}", "--job=7", "--image=tiny:1.0",
+                "--nodes=n[1-2]", "--uid=1001", "--gid=1001"]  # fmt: skip
+        r = _as(slurm, sock, *hook)
+        assert r.returncode == 0 and r.stdout.split("\n")[0] == "0", r.stderr
+        # It ran as root (as Slurm's user it would say so), and got as far as the image.
+        text = log.read_text()
+        assert "job 7: stage: not pinned at submit; each node pulls for itself" in text, text
+        r = _as(slurm, sock, "tfimage-prolog", f"--config={cfg}", "--job=7")
+        assert r.stdout.split("\n")[:2] == [
+            "70",
+            "tfimage: daemon: only tfimage-stage is served on the stage socket",
+        ], r.stdout
+        r = _as(65534, sock, *hook)
+        assert r.returncode != 0 and "Permission denied" in r.stderr
