@@ -539,9 +539,8 @@ write_role_vars() {
     else
         wheel=$WHEEL; src=$REPO; build=$STATE/spank-build
     fi
-    local host='localhost ansible_connection=local ansible_python_interpreter=/usr/bin/python3 ansible_become=false'
-    # This machine is slurmctld's host too: the controller play wires the stage hook.
-    printf '[compute]\n%s\n[slurmctld]\n%s\n' "$host" "$host" >"$a/inventory.ini"
+    printf '[compute]\nlocalhost ansible_connection=local ansible_python_interpreter=/usr/bin/python3 ansible_become=false\n' \
+        >"$a/inventory.ini"
     (umask 077; cat >"$a/vars.yml" <<YML
 # Written by deploy/local/cluster.sh for deploy/local/role.sh
 tfimage_wheel: "$wheel"
@@ -580,6 +579,8 @@ tfimage_cache_dir: /var/cache/tfimage
 # cache emptied with the controller's state (start_slurm).
 tfimage_stage: $([ "$STAGE_ON" = 0 ] && echo false || echo true)
 tfimage_stage_dir: $STATE/stage
+# This machine is slurmctld's host too: the compute pass wires the stage hook.
+tfimage_controller: true
 tfimage_state_dir: /run/tfimage
 # The seed's default mount, with the site's data at $STATE/data standing in for /data
 # (the fake GPUs' device files need none: they are in the node's /dev, which ch-run binds)
@@ -657,7 +658,10 @@ start_slurm() {
     # Job ids start again at 1 with a fresh slurmctld state: the nodes' spools must go
     # too, or a slurmd that remembers job 4's credential from the last cluster skips
     # the new job 4's prolog ("reissued job credential for job 4").
-    rm -rf "$STATE/ctld" "$STATE/spool" "$STATE/stage"
+    rm -rf "$STATE/ctld" "$STATE/spool"
+    # The staging cache's contents go with the controller's state; the directory is
+    # the role's (root's, 0700), made before this runs.
+    [ ! -d "$STATE/stage" ] || find "$STATE/stage" -mindepth 1 -delete
     mkdir -p "$STATE/ctld" "$ROOT/var/cache/tfimage" "$ROOT/run/tfimage" "$ROOT/var/log/tfimage" \
         "$ROOT/var/lib/prometheus/node-exporter"
     SLURM_CONF=$ETC/slurm.conf in_root slurmctld -i \

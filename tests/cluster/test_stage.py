@@ -55,11 +55,14 @@ def _whole(gets: list[tuple[int, int]]) -> int:
     return sum(1 for status, _ in gets if status == 200)
 
 
-def _stage_log(cluster: Cluster, job: str) -> list[str]:
-    """The controller's hook log lines for ``job`` (this host's, or the chroot's)."""
+def _stage_log(cluster: Cluster, job: str, image: Image) -> list[str]:
+    """The controller's hook log lines for ``job`` and ``image`` (this host's, or the
+    chroot's; it outlives the cluster, and job ids start again at 1 with it)."""
     path = Path(cluster.chroot or "/") / "var/log/tfimage/hooks.log"
     lines = path.read_text().splitlines() if path.exists() else []
-    return [x for x in lines if "tfimage-stage:" in x and f" job {job}: " in x]
+    return [
+        x for x in lines if "tfimage-stage:" in x and f" job {job}: " in x and image.marker in x
+    ]
 
 
 def _node_line(cluster: Cluster, node: str, job: str) -> str:
@@ -93,7 +96,7 @@ def test_a_cold_four_node_job_is_pulled_once_and_a_warm_one_pays_nothing(
     served = _blob_gets(cluster, image.blob)
     assert _whole(served) == 1 and sum(n for _, n in served) <= 1.1 * image.size, served
     assert all(_cached(cluster, n, image.digest) for n in NODES)
-    [line] = _stage_log(cluster, job)
+    [line] = _stage_log(cluster, job, image)
     assert "sent to 4 of 4 nodes" in line and "(pulled once)" in line, line
     for node in NODES:
         assert "adopted the copy staged for the job" in _node_line(cluster, node, job), node
@@ -102,7 +105,7 @@ def test_a_cold_four_node_job_is_pulled_once_and_a_warm_one_pays_nothing(
     again = _run_job(cluster, workdir, image, "warm")
     # No fetch of the blob since the first job's (the pin at submit reads its head again).
     assert _whole(_blob_gets(cluster, image.blob)) == 1
-    assert _stage_log(cluster, again) == [], "the warm job's stage hook logged (or sent)"
+    assert _stage_log(cluster, again, image) == [], "the warm job's stage hook logged (or sent)"
     for node in NODES:
         assert "cache hit" in _node_line(cluster, node, again), node
 
@@ -128,7 +131,7 @@ def test_a_corrupt_staging_copy_is_refused_by_every_node_and_each_pulls(
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 0xFF]))
     job = _run_job(cluster, workdir, image, "corrupt")
-    [line] = _stage_log(cluster, job)
+    [line] = _stage_log(cluster, job, image)
     assert "sent to 4 of 4 nodes" in line and "(from the staging cache)" in line, line
     assert _whole(_blob_gets(cluster, image.blob)) == 1 + 4  # the staging pull, then each node
     for node in NODES:
@@ -151,7 +154,7 @@ def test_a_refused_broadcast_is_one_line_and_every_node_pulls(
     for node in NODES:
         (cluster.state / "nodes" / node / "cache" / "staged").chmod(0o755)
     job = _run_job(cluster, workdir, image, "refused")
-    [line] = _stage_log(cluster, job)
+    [line] = _stage_log(cluster, job, image)
     assert "stage: sbcast:" in line and "each node without a good copy pulls" in line, line
     for node in NODES:
         assert "pulled from" in _node_line(cluster, node, job), node
@@ -161,7 +164,7 @@ def test_a_refused_broadcast_is_one_line_and_every_node_pulls(
     # The ledger records only what was sent: the next job is sent it from the staging
     # cache, and each node, which pulled it, counts a hit and drops the copy.
     again = _run_job(cluster, workdir, image, "after")
-    [line] = _stage_log(cluster, again)
+    [line] = _stage_log(cluster, again, image)
     assert "sent to 4 of 4 nodes" in line and "(from the staging cache)" in line, line
     for node in NODES:
         assert "cache hit" in _node_line(cluster, node, again), node
@@ -194,7 +197,9 @@ def test_a_job_cancelled_while_it_configures_leaves_nothing_behind(
         what=f"job {job} to end",
         interval=0.5,
     )
-    wait_for(lambda: bool(_stage_log(cluster, job)), timeout=60, what="the stage hook's line")
+    wait_for(
+        lambda: bool(_stage_log(cluster, job, image)), timeout=60, what="the stage hook's line"
+    )
     time.sleep(1)
     with cluster.config_with(cache_min_age=1):
         for node in NODES:
