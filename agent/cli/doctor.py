@@ -256,7 +256,9 @@ def check_stage(ctx: Context) -> Iterator[Diagnosis]:
     elif ours:
         yield Diagnosis("stage", "ok", "stage_deadline ends before PrologEpilogTimeout")
     yield from _stage_dir(Path(ctx.cfg.stage_dir))
-    sbcast = os.path.join(ctx.cfg.gpu.slurm_bin, "sbcast") if ctx.cfg.gpu.slurm_bin else "sbcast"
+    from tfimage.agent.core.toolrun import slurm_tool
+
+    sbcast = slurm_tool("sbcast", ctx.cfg.gpu.slurm_bin)
     try:  # sbcast reads slurm.conf before it says its version
         out = _run([sbcast, "--version"], {**os.environ, "SLURM_CONF": str(ctx.slurm_conf)})
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Sequence
 from typing import Any
@@ -49,3 +50,16 @@ def run(
         last = lines[-1] if lines else f"exit status {done.returncode}"
         raise RuntimeSetupError(f"{what}: {last}")
     return str(done.stdout)
+
+
+def slurm_tool(name: str, slurm_bin: str) -> str:
+    """Slurm's command ``name`` in the site's Slurm directory (the config's
+    gpu.slurm_bin), else found on the fixed PATH of every root-side tool."""
+    return os.path.join(slurm_bin, name) if slurm_bin else name
+
+
+def slurm_env() -> dict[str, str]:
+    """For a Slurm command: the hook's own SLURM_CONF (slurmd's, slurmctld's front's,
+    or the operator's shell), never a job's."""
+    conf = os.environ.get("SLURM_CONF", "")
+    return {"SLURM_CONF": conf} if conf.startswith("/") else {}

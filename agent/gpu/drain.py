@@ -7,27 +7,14 @@ tell its own drains from a site's, and never touches the site's.
 
 from __future__ import annotations
 
-import os
 import re
 
 from tfimage.agent.core.errors import InputError, TfimageError
-from tfimage.agent.core.toolrun import run
+from tfimage.agent.core.toolrun import run, slurm_env, slurm_tool
 
 PREFIX = "tfimage:"
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 TIMEOUT = 15.0
-
-
-def _tool(name: str, slurm_bin: str) -> str:
-    """``name`` in the site's Slurm directory (gpu.slurm_bin), else found on the
-    fixed PATH of every root-side tool (toolrun.py)."""
-    return os.path.join(slurm_bin, name) if slurm_bin else name
-
-
-def _env() -> dict[str, str]:
-    # The hook's own SLURM_CONF (slurmd's, or the operator's shell), never a job's.
-    conf = os.environ.get("SLURM_CONF", "")
-    return {"SLURM_CONF": conf} if conf.startswith("/") else {}
 
 
 def check_node(node: str) -> str:
@@ -42,7 +29,7 @@ def drain(node: str, reason: str, slurm_bin: str = "") -> None:
         raise ValueError("a tfimage drain's reason starts with tfimage:")
     run(
         [
-            _tool("scontrol", slurm_bin),
+            slurm_tool("scontrol", slurm_bin),
             "update",
             f"NodeName={check_node(node)}",
             "State=DRAIN",
@@ -50,17 +37,17 @@ def drain(node: str, reason: str, slurm_bin: str = "") -> None:
         ],
         timeout=TIMEOUT,
         what="gpu: drain",
-        env=_env(),
+        env=slurm_env(),
     )
 
 
 def state(node: str, slurm_bin: str = "") -> tuple[str, str]:
     """The node's state (``drained``, ``idle``...) and its reason ("" for none)."""
     out = run(
-        [_tool("sinfo", slurm_bin), "-h", "-N", "-n", check_node(node), "-o", "%T|%E"],
+        [slurm_tool("sinfo", slurm_bin), "-h", "-N", "-n", check_node(node), "-o", "%T|%E"],
         timeout=TIMEOUT,
         what="gpu: node state",
-        env=_env(),
+        env=slurm_env(),
     )
     line = out.splitlines()[0] if out.strip() else ""
     if not line:
@@ -75,8 +62,13 @@ def is_ours(reason: str) -> bool:
 
 def resume(node: str, slurm_bin: str = "") -> None:
     run(
-        [_tool("scontrol", slurm_bin), "update", f"NodeName={check_node(node)}", "State=RESUME"],
+        [
+            slurm_tool("scontrol", slurm_bin),
+            "update",
+            f"NodeName={check_node(node)}",
+            "State=RESUME",
+        ],
         timeout=TIMEOUT,
         what="gpu: resume",
-        env=_env(),
+        env=slurm_env(),
     )

@@ -19,35 +19,23 @@ cache.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 
 from tfimage.agent.core.errors import RuntimeSetupError
-from tfimage.agent.core.toolrun import run
+from tfimage.agent.core.toolrun import run, slurm_env, slurm_tool
 
 # --nodelist came with 24.11; an older sbcast refuses the flag.
 NODELIST_SINCE = (24, 11)
 _VERSION = re.compile(r"slurm(?:-wlm)? (\d+)\.(\d+)")
 
 
-def slurm_env() -> dict[str, str]:
-    """The hook's own SLURM_CONF (slurmctld's service, or the role's front), never a
-    job's: sbcast needs it where slurm.conf is not in Slurm's built-in place."""
-    conf = os.environ.get("SLURM_CONF", "")
-    return {"SLURM_CONF": conf} if conf.startswith("/") else {}
-
-
-def tool(slurm_bin: str) -> str:
-    return os.path.join(slurm_bin, "sbcast") if slurm_bin else "sbcast"
-
-
 def version(slurm_bin: str = "", *, timeout: float = 10.0) -> tuple[int, int] | None:
     """sbcast's Slurm generation, e.g. (24, 11); None when it says none (then the
     broadcast takes the form every generation knows)."""
     try:
-        out = run([tool(slurm_bin), "--version"], timeout=timeout, what="stage: sbcast",
-                  env=slurm_env())  # fmt: skip
+        argv = [slurm_tool("sbcast", slurm_bin), "--version"]
+        out = run(argv, timeout=timeout, what="stage: sbcast", env=slurm_env())
     except RuntimeSetupError:
         return None  # the broadcast itself will say what is wrong with sbcast
     m = _VERSION.search(out)
@@ -64,7 +52,7 @@ def argv(
 ) -> list[str]:
     """sbcast's command line for the open descriptor ``fd``: to ``nodes`` alone (only
     where :func:`reaches_some`), else (empty) to every node of the job."""
-    out = [tool(slurm_bin), f"--jobid={job_id}", "--force"]
+    out = [slurm_tool("sbcast", slurm_bin), f"--jobid={job_id}", "--force"]
     if nodes:
         out.append("--nodelist=" + ",".join(nodes))
     return [*out, f"/dev/fd/{fd}", dst]
