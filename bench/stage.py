@@ -35,22 +35,11 @@ sys.path.insert(0, str(REPO / "tests"))
 def _image(env: dict[str, str], tmp: Path, mib: int, what: str) -> tuple[str, str]:
     """A fresh image ``what-<hex>:1`` with ``mib`` MiB of random bytes; its name and
     its SIF blob's digest."""
-    from support import build_sif
+    from support import busybox_sif
 
     marker = f"{what}-{os.urandom(4).hex()}"
-    root = tmp / marker
-    (root / "bin").mkdir(parents=True)
-    shutil.copy("/bin/busybox", root / "bin" / "busybox")
-    for app in ("sh", "cat"):
-        (root / "bin" / app).symlink_to("busybox")
-    for sub in ("etc", "home", "proc", "sys", "dev", "tmp"):
-        (root / sub).mkdir(exist_ok=True)
-    (root / "etc" / "tfimage-test-image").write_text(marker + "\n")
-    with (root / "payload").open("wb") as f:
-        for _ in range(mib):
-            f.write(os.urandom(1 << 20))
-    sif = build_sif(root, tmp / f"{marker}.sif", "lz4")
-    shutil.rmtree(root)
+    sif = busybox_sif(tmp, marker, payload_mib=mib)
+    shutil.rmtree(tmp / f"root-{marker}")
     out = subprocess.run(
         ["/opt/tfimage/bin/tfimage", "push", str(sif), f"{marker}:1"],
         env=env, capture_output=True, text=True, timeout=600, check=True,

@@ -29,6 +29,27 @@ from tfimage.agent.registry.transport import Transport
 T = TypeVar("T")
 
 
+def busybox_sif(d: Path, marker: str, comp: str = "lz4", payload_mib: int = 0) -> Path:
+    """A real SIF with busybox and a marker, like tiny:1.0 but ours to re-tag (its
+    squashfs compressed with ``comp``), and ``payload_mib`` MiB of random bytes in
+    ``/payload`` where a size is wanted (bench/stage.py)."""
+    root = d / f"root-{marker}"
+    (root / "bin").mkdir(parents=True)
+    shutil.copy("/bin/busybox", root / "bin" / "busybox")
+    for app in ("sh", "cat"):
+        (root / "bin" / app).symlink_to("busybox")
+    for sub in ("etc", "home", "proc", "sys", "dev", "tmp"):
+        (root / sub).mkdir(exist_ok=True)
+    (root / "etc" / "hosts").write_text("")
+    (root / "etc" / "resolv.conf").write_text("")
+    (root / "etc" / "tfimage-test-image").write_text(marker + "\n")
+    if payload_mib:
+        with (root / "payload").open("wb") as f:
+            for _ in range(payload_mib):
+                f.write(os.urandom(1 << 20))
+    return build_sif(root, d / f"{marker}.sif", comp)
+
+
 def build_sif(root: Path, sif: Path, comp: str = "lz4") -> Path:
     """A real SIF of the directory tree ``root``, made the way the converter makes one
     (with mksquashfs's compressor ``comp``)."""

@@ -21,7 +21,8 @@ import pytest
 import yaml
 from hostile import Server
 
-from support import Registry, build_sif
+from support import Registry
+from support import busybox_sif as busybox_sif  # the cluster tests import it from here
 
 REPO = Path(__file__).resolve().parents[2]
 ENV_FILE = REPO / "build" / "cluster.env"
@@ -273,33 +274,25 @@ def write_script(d: Path, name: str, text: str, user: str) -> Path:
     return p
 
 
-def busybox_sif(d: Path, marker: str, comp: str = "lz4") -> Path:
-    """A real SIF with busybox and a marker, like tiny:1.0 but ours to re-tag
-    (its squashfs compressed with ``comp``)."""
-    root = d / f"root-{marker}"
-    (root / "bin").mkdir(parents=True)
-    shutil.copy("/bin/busybox", root / "bin" / "busybox")
-    for app in ("sh", "cat"):
-        (root / "bin" / app).symlink_to("busybox")
-    for sub in ("etc", "home", "proc", "sys", "dev", "tmp"):
-        (root / sub).mkdir(exist_ok=True)
-    (root / "etc" / "hosts").write_text("")
-    (root / "etc" / "resolv.conf").write_text("")
-    (root / "etc" / "tfimage-test-image").write_text(marker + "\n")
-    return build_sif(root, d / f"{marker}.sif", comp)
-
-
 def push(cluster: Cluster, sif: Path, ref: str) -> str:
     """Push from the machine itself (as an admin would), whatever Slurm flavor is up."""
-    r = subprocess.run(
-        ["/opt/tfimage/bin/tfimage", "push", str(sif), ref],
+    r = tfimage_here(cluster, "push", str(sif), ref)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().rsplit("@", 1)[1]
+
+
+def tfimage_here(
+    cluster: Cluster, *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """The installed ``tfimage ARGS`` on this machine (the login and controller host),
+    with the cluster's config."""
+    return subprocess.run(
+        ["/opt/tfimage/bin/tfimage", *args],
         env={**cluster.env},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
-    assert r.returncode == 0, r.stderr
-    return r.stdout.strip().rsplit("@", 1)[1]
 
 
 def daemon_pid(cluster: Cluster, node: str) -> int | None:

@@ -19,7 +19,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, Cluster, bridge_server, busybox_sif, push, write_script
+from conftest import (
+    REPO,
+    Cluster,
+    bridge_server,
+    busybox_sif,
+    push,
+    tfimage_here,
+    write_script,
+)
 
 from support import wait_for
 
@@ -367,23 +375,11 @@ def _job_done(cluster: Cluster, jid: str) -> bool:
 
 def test_resolve_asks_the_live_registry(cluster: Cluster, tmp_path: Path) -> None:
     digest = _fresh_image(cluster, tmp_path, "resolveme")
-    r = subprocess.run(
-        ["/opt/tfimage/bin/tfimage", "resolve", "resolveme:1", "--json"],
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = tfimage_here(cluster, "resolve", "resolveme:1", "--json", timeout=60)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["digest"] == digest
     moved = push(cluster, busybox_sif(tmp_path, "resolveme-2"), "resolveme:1")
-    r = subprocess.run(
-        ["/opt/tfimage/bin/tfimage", "resolve", "resolveme:1"],
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = tfimage_here(cluster, "resolve", "resolveme:1", timeout=60)
     assert r.stdout.strip().endswith("@" + moved)  # not a cached answer
 
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import Cluster, busybox_sif, push, site_registry, write_script
+from conftest import Cluster, busybox_sif, push, site_registry, tfimage_here, write_script
 from test_promises import registry_stopped
 
 from support import wait_for
@@ -115,13 +114,7 @@ def test_a_corrupt_staging_copy_is_refused_by_every_node_and_each_pulls(
 ) -> None:
     image = Image(cluster, tmp_path, "stage-corrupt")
     staging = cluster.state / "stage"
-    pulled = subprocess.run(
-        ["/opt/tfimage/bin/tfimage", "cache", "--stage", "pull", f"{image.marker}@{image.digest}"],
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    pulled = tfimage_here(cluster, "cache", "--stage", "pull", f"{image.marker}@{image.digest}")
     assert pulled.returncode == 0, pulled.stderr
     sif = layout.cache_sif(staging, image.digest)
     sif.chmod(0o644)
@@ -205,13 +198,7 @@ def test_a_job_cancelled_while_it_configures_leaves_nothing_behind(
         for node in NODES:
             r = cluster.on_node(node, ["/opt/tfimage/bin/tfimage", "cache", "prune"])
             assert r.returncode == 0, r.stderr
-        r = subprocess.run(
-            ["/opt/tfimage/bin/tfimage", "cache", "--stage", "prune"],
-            env=cluster.env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        r = tfimage_here(cluster, "cache", "--stage", "prune")
         assert r.returncode == 0, r.stderr
     for node in NODES:
         cache = cluster.state / "nodes" / node / "cache"
