@@ -60,7 +60,7 @@ demo:
 	bash deploy/local/demo.sh
 
 test-unit: venv
-	$(VENV)/bin/pytest -q tests/unit
+	$(VENV)/bin/pytest -q --numprocesses=auto --maxprocesses=4 tests/unit
 
 test-cluster: venv
 	$(VENV)/bin/pytest -q tests/cluster
