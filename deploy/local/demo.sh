@@ -46,10 +46,24 @@ chown "$TFIMAGE_TEST_USER" "$dir/train.sbatch"
 
 echo "demo: submitting $dir/train.sbatch as $TFIMAGE_TEST_USER"
 cd "$dir"
+failed() { echo "demo: $*" >&2; cat "$dir"/demo-*.out "$dir"/demo-*.err >&2 || true; exit 1; }
 out=$(setpriv --reuid "$TFIMAGE_TEST_USER" --regid "$TFIMAGE_TEST_USER" --init-groups \
-      env HOME="$home" USER="$TFIMAGE_TEST_USER" sbatch --parsable --wait train.sbatch) || {
-    echo "demo: the job failed" >&2; cat "$dir"/demo-*.out "$dir"/demo-*.err >&2 || true; exit 1; }
+      env HOME="$home" USER="$TFIMAGE_TEST_USER" sbatch --parsable train.sbatch) \
+    || failed "the submission failed"
 job=${out%%;*}
+# Its end, looked at every half second (sbatch --wait sleeps 2, 8, then 32 s between
+# looks: it would see a 15 s job end at 42 s); the epilog's end too.
+for ((i = 0; ; i++)); do
+    shown=$(scontrol -o show job "$job") || failed "job $job: scontrol show job failed"
+    case " $shown " in
+        *" JobState=COMPLETED "*) break ;;
+        *" JobState=PENDING "* | *" JobState=CONFIGURING "* | *" JobState=RUNNING "* \
+            | *" JobState=COMPLETING "*) ;;
+        *) failed "job $job failed: $(grep -oE 'JobState=[A-Z_]+|ExitCode=[0-9:]+|Reason=[^ ]+' <<<"$shown" | xargs)" ;;
+    esac
+    [ "$i" -lt 1200 ] || failed "job $job did not end within 10 minutes"
+    sleep 0.5
+done
 echo "demo: job $job finished; its output:"
 echo "-----------------------------------------------------------------"
 cat "$dir/demo-$job.out"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import re
 import shutil
 import subprocess
 import time
@@ -25,6 +26,20 @@ from support import Registry
 from support import busybox_sif as busybox_sif  # the cluster tests import it from here
 
 REPO = Path(__file__).resolve().parents[2]
+# A job's states once it has ended (Slurm's IS_JOB_FINISHED), as scontrol names them.
+FINISHED = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "OUT_OF_MEMORY",
+    }
+)
 ENV_FILE = REPO / "build" / "cluster.env"
 
 
@@ -95,12 +110,38 @@ class Cluster:
     def sbatch(
         self, workdir: Path, name: str, script: str, out: str, timeout: float = 180
     ) -> tuple[subprocess.CompletedProcess[str], str]:
-        """Write ``script`` as the user, submit it with ``sbatch --wait`` from
-        ``workdir``, and return the result and the job's output file ``out``."""
+        """Write ``script`` as the user, submit it from ``workdir`` and wait for its
+        end (``sbatch_wait``), and return the result and the job's output file ``out``."""
         write_script(workdir, name, script, self.user)
-        r = self.run(["sbatch", "--wait", name], cwd=workdir, timeout=timeout)
+        r, _ = self.sbatch_wait(workdir, name, timeout=timeout)
         path = workdir / out
         return r, path.read_text() if path.exists() else ""
+
+    def sbatch_wait(
+        self, workdir: Path, *args: str, timeout: float = 180
+    ) -> tuple[subprocess.CompletedProcess[str], str]:
+        """``sbatch --parsable ARGS`` as the user from ``workdir``, then the job's end
+        as ``sbatch --wait`` gives it: sbatch's own output, and as its status the
+        job's exit code (1 where a signal ended it); and the job's id ("" if the
+        submission failed).  ``sbatch --wait`` sleeps 2, 8, then 32 s between looks,
+        so a job of 3 s took 10 s and one of 11 s took 42; this looks every 0.2 s,
+        and waits for the epilog too (COMPLETING is not the end here)."""
+        deadline = time.monotonic() + timeout
+        r = self.run(["sbatch", "--parsable", *args], cwd=workdir, timeout=timeout)
+        if r.returncode != 0:
+            return r, ""
+        job = r.stdout.strip().split(";")[0]
+        while True:
+            shown = self.run(["scontrol", "-o", "show", "job", job], as_root=True).stdout
+            state = re.search(r"\bJobState=(\S+)", shown)
+            if state and state[1] in FINISHED:
+                code = re.search(r"\bExitCode=(\d+):(\d+)", shown)
+                assert code, shown
+                status = int(code[1]) if code[2] == "0" else 1
+                return subprocess.CompletedProcess(r.args, status, r.stdout, r.stderr), job
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(r.args, timeout, shown)
+            time.sleep(0.2)
 
     def submit(self, workdir: Path, *args: str) -> str:
         """``sbatch --parsable ARGS`` as the user from ``workdir``; the job's id."""

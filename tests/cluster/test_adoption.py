@@ -70,7 +70,6 @@ def test_a_converted_singularity_script_runs_as_a_tfimage_job(
     converted = (workdir / "job.sh").read_text()
     assert f"#SBATCH --tf-image=docker://{name}:1\n" in converted, converted
     assert f"#SBATCH --tf-mount={workdir}/ds:/dataset\n" in converted, converted
-    r = cluster.run(["sbatch", "--wait", "--parsable", "job.sh"], cwd=workdir, timeout=300)
+    r, job = cluster.sbatch_wait(workdir, "job.sh", timeout=300)
     assert r.returncode == 0, r.stderr
-    job = r.stdout.strip().split(";")[0]
     assert (workdir / f"train_{job}.out").read_text() == "oci-marker\nthe data\n"

@@ -47,9 +47,9 @@ def test_docker_hub_names_come_through_the_sites_proxy_cache_project(
     name = f"hub{os.getpid()}{len(asked)}"
     push_oci_image(reg, tmp_path, f"dockerhub/library/{name}")
     asked = asked.format(name=name)
-    r = cluster.run(["sbatch", "-v", "--wait", "--parsable", "-N1", "-o", f"{name}.out",
-                     f"--tf-image={asked}", "--wrap", "cat /etc/tfimage-test-image"],
-                    cwd=workdir, timeout=300)  # fmt: skip
+    r, _ = cluster.sbatch_wait(workdir, "-v", "-N1", "-o", f"{name}.out",
+                               f"--tf-image={asked}", "--wrap", "cat /etc/tfimage-test-image",
+                               timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert (workdir / f"{name}.out").read_text() == "oci-marker\n"
     shown = f"tfimage: submit: {asked} pinned to "  # sbatch -v shows the mapping

@@ -78,7 +78,8 @@ def _run_job(cluster: Cluster, workdir: Path, image: Image, name: str) -> str:
         "srun cat /etc/tfimage-test-image\n",
         cluster.user,
     )
-    job = cluster.submit(workdir, "--wait", f"{name}.sh")
+    r, job = cluster.sbatch_wait(workdir, f"{name}.sh")
+    assert r.returncode == 0, r.stderr
     assert (workdir / f"{name}.out").read_text().split() == [image.marker] * 4
     return job
 

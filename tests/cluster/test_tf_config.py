@@ -47,7 +47,7 @@ def check_agreement(out: str, workers: int, hosts: set[str]) -> None:
 )
 def test_multi_worker_training(cluster: Cluster, workdir: Path, shape: str, workers: int) -> None:
     training_job(workdir, cluster.user, shape)
-    r = cluster.run(["sbatch", "--wait", "job.sh"], cwd=workdir, timeout=600)
+    r, _ = cluster.sbatch_wait(workdir, "job.sh", timeout=600)
     out = (workdir / "job.out").read_text()
     assert r.returncode == 0, out + (workdir / "job.err").read_text()[-2000:]
     check_agreement(out, workers, {"n1", "n2"})

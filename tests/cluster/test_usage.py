@@ -131,9 +131,8 @@ def test_a_failing_job_is_recorded_as_failed_with_its_exit_code(
     script = "#!/bin/sh\n#SBATCH -N1 -w n1 --tf-image=tiny:1.0 -o fail.out\nexit 7\n"
     write_script(workdir, "fail.sh", script, cluster.user)
     since = time.time()
-    r = cluster.run(["sbatch", "--wait", "fail.sh"], cwd=workdir, timeout=180)
+    r, job = cluster.sbatch_wait(workdir, "fail.sh")
     assert r.returncode == 7, r.stdout + r.stderr
-    job = r.stdout.split()[-1]
     (rec,) = records(cluster, "n1", job, since)
     assert (rec["state"], rec["exit_code"], rec["signal"]) == ("FAILED", 7, 0)
     assert rec["tf_workers"] is None  # one task: no TF_CONFIG unless the site asks
@@ -147,9 +146,8 @@ def test_a_job_whose_image_could_not_be_pulled_is_recorded_with_the_reason(
     script = f"#!/bin/sh\n#SBATCH -N1 -w n2 --tf-image={missing} -o missing.out\ntrue\n"
     write_script(workdir, "missing.sh", script, cluster.user)
     since = time.time()
-    r = cluster.run(["sbatch", "--wait", "missing.sh"], cwd=workdir, timeout=180)
+    r, job = cluster.sbatch_wait(workdir, "missing.sh")
     assert r.returncode != 0, r.stdout + r.stderr
-    job = r.stdout.split()[-1]
     (rec,) = records(cluster, "n2", job, since)
     assert rec["image_asked"] == missing and rec["cache"] is None
     assert "not found" in rec["image_error"] and rec["state"] != "COMPLETED"
