@@ -35,6 +35,11 @@ MAX_RULES = 1024
 MAX_PRINCIPALS = 256
 
 
+def is_repository_glob(text: str) -> bool:
+    """Lowercase path segments, ``*`` within one (never ``**``)."""
+    return bool(_GLOB.match(text)) and "**" not in text
+
+
 def segment_glob(pattern: str) -> re.Pattern[str]:
     """``library/tf-*`` as a regex: ``*`` never crosses a ``/``; nothing else is special."""
     return re.compile("".join("[^/]*" if c == "*" else re.escape(c) for c in pattern) + r"\Z")
@@ -75,7 +80,7 @@ def access_rules(value: Any, path: Path) -> tuple[Rule, ...]:
     rules = []
     for glob, names in value.items():
         where = f"{path}: 'access': {str(glob)[:80]!r}"
-        if not isinstance(glob, str) or not _GLOB.match(glob) or "**" in glob:
+        if not isinstance(glob, str) or not is_repository_glob(glob):
             raise ConfigError(
                 f"{where} is not a repository glob (lowercase path segments, '*' within one)"
             )

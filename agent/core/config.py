@@ -19,6 +19,7 @@ from tfimage.agent.core import wire
 from tfimage.agent.core.access import Rule, access_rules, segment_glob
 from tfimage.agent.core.errors import ConfigError, ImageReferenceError
 from tfimage.agent.core.gpuconfig import GpuPolicy, gpu_policy, unknown_settings
+from tfimage.agent.core.partition import PartitionRule, partition_rules
 from tfimage.agent.core.reference import (
     DOCKER_HUB,
     Reference,
@@ -115,6 +116,9 @@ class Config:
     # Who may run images of which repositories (core/access.py documents the rules):
     # {"team-a/*": ["@team-a"]}; a repository no rule matches is open to all.
     access: tuple[Rule, ...] = ()
+    # Which images each partition runs (core/partition.py documents the rules):
+    # {"prod": {"require_digest": true, ...}}; a partition no key matches runs any.
+    partitions: tuple[PartitionRule, ...] = ()
     # The controller's one pull per multi-node job (stage/): PrologSlurmctld pulls
     # the job's image into stage_dir (a cache like a node's, on the controller) and
     # broadcasts it down Slurm's tree; stage_deadline bounds both together, and must
@@ -216,6 +220,8 @@ def _coerce(key: str, value: Any, path: Path) -> Any:
         return gpu_policy(value, path)
     if key == "access":
         return access_rules(value, path)
+    if key == "partitions":
+        return partition_rules(value, path)
     if key == "image_mount":
         drivers = [value] if isinstance(value, str) else value
         if (

@@ -9,7 +9,9 @@
     |   +-- ImageReferenceError  malformed or disallowed image reference
     |   +-- BindError            a bad --tf-mount (or an admin's default bind)
     |   +-- StepLayoutError      a step's Slurm variables missing, inconsistent
-    |                            or larger than step_max_tasks
+    |   |                        or larger than step_max_tasks
+    |   +-- PolicyError          not an image the job's partition runs (the
+    |                            config's partitions: rules)
     +-- RequestError             a daemon request not of its one shape      (exit 1)
     +-- ImageError               the image can't be had; never drains a node (exit 3)
     |   +-- RegistryError        auth refused, not found, bad answer
@@ -63,6 +65,10 @@ class BindError(InputError):
 
 
 class StepLayoutError(InputError):
+    pass
+
+
+class PolicyError(InputError):
     pass
 
 

@@ -28,6 +28,7 @@ TYPES = {
     "tuple[int, int]": "[integer, integer]",
     "dict[str, str]": "mapping of strings",
     "tuple[Rule, ...]": "mapping of globs to names",
+    "tuple[PartitionRule, ...]": "mapping of partition globs to rules",
     "GpuPolicy": "mapping (below)",
     "bool | tuple[str, ...]": "boolean or list of strings",
 }
@@ -37,7 +38,7 @@ def _default(f: dataclasses.Field[object]) -> str:
     if f.name == "gpu":
         return "(below)"
     value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    if f.name == "access":
+    if f.name in ("access", "partitions"):
         return "{}"
     if isinstance(value, tuple):
         value = list(value)
