@@ -70,7 +70,9 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
     try:
         with deadline(cfg.hook_deadline, "prolog"):
             uid = int(args.uid) if args.uid.isdigit() and len(args.uid) < 11 else None
-            got = prepare_job(cfg, job_id, image, uid=uid)
+            got = prepare_job(
+                cfg, job_id, image, uid=uid, partition=args.partition, asked=args.image_asked
+            )
         note(
             image=str(got.ref),
             repository=got.ref.repository,

@@ -46,7 +46,7 @@ it against the parsers here, both ways.
 5. **Node hooks** through ``tfimage-hook`` (``spank/hook.c``) to the root socket::
 
        tfimage-prolog --config=PATH --job=N --image=REF --node=NAME --gpus=LIST --mps=PCT
-                      --uid=N
+                      --uid=N --asked=TEXT --partition=P
        tfimage-epilog --config=PATH --job=N --image=REF --asked=TEXT --node=NAME
                       --user=NAME --uid=N --account=A --partition=P --array-job=N
                       --array-task=N --exit=E:S --exit-raw=STATUS --gpus=LIST --mps=PCT
@@ -55,9 +55,10 @@ it against the parsers here, both ways.
    parsers are built from it (hooks/args.py): the epilog's are Slurm's
    ``SLURM_JOB_*`` and ``SLURM_ARRAY_*`` (``--exit`` is ``SLURM_JOB_EXIT_CODE2``),
    and ``--asked`` the ``--tf-image`` text as the user wrote it, for the usage
-   record.  ``--gpus`` and ``--mps`` are Slurm's ``SLURM_JOB_GPUS`` (else
-   ``CUDA_VISIBLE_DEVICES``) and ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, empty for
-   none.
+   record and the prolog's partition rule (whether it named a digest);
+   ``--partition``, ``SLURM_JOB_PARTITION``, picks that rule.  ``--gpus`` and
+   ``--mps`` are Slurm's ``SLURM_JOB_GPUS`` (else ``CUDA_VISIBLE_DEVICES``) and
+   ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, empty for none.
 
    The controller's hook, Slurm's ``PrologSlurmctld`` (stage/), the same way::
 
@@ -155,20 +156,23 @@ _MPS = HookFlag("--mps", ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",), "mps")
 _UID = HookFlag("--uid", ("SLURM_JOB_UID",), "uid")
 _GID = HookFlag("--gid", ("SLURM_JOB_GID",), "gid")
 _NODES = HookFlag("--nodes", ("SLURM_JOB_NODELIST",), "nodes")
+_ASKED = HookFlag("--asked", (ASKED_IMAGE_VAR,), "image_asked")
+# The partition the job runs in, as slurmd gives it: what picks a partitions: rule.
+_PARTITION = HookFlag("--partition", ("SLURM_JOB_PARTITION",), "partition")
 
 # Each hook's arguments after ``--config=PATH``, in the order the role's scripts
 # send them (5); tests/unit/deploy/test_hook_scripts.py holds the scripts to it.
 HOOK_FLAGS: dict[str, tuple[HookFlag, ...]] = {
-    "tfimage-prolog": (_JOB, _IMAGE, _NODE, _GPUS, _MPS, _UID),
+    "tfimage-prolog": (_JOB, _IMAGE, _NODE, _GPUS, _MPS, _UID, _ASKED, _PARTITION),
     "tfimage-epilog": (
         _JOB,
         _IMAGE,
-        HookFlag("--asked", (ASKED_IMAGE_VAR,), "image_asked"),
+        _ASKED,
         _NODE,
         HookFlag("--user", ("SLURM_JOB_USER",), "user"),
         _UID,
         HookFlag("--account", ("SLURM_JOB_ACCOUNT",), "account"),
-        HookFlag("--partition", ("SLURM_JOB_PARTITION",), "partition"),
+        _PARTITION,
         HookFlag("--array-job", ("SLURM_ARRAY_JOB_ID",), "array_job_id"),
         HookFlag("--array-task", ("SLURM_ARRAY_TASK_ID",), "array_task_id"),
         HookFlag("--exit", ("SLURM_JOB_EXIT_CODE2",), "exit"),

@@ -20,11 +20,13 @@ from tfimage.agent.core.config import Config
 from tfimage.agent.core.errors import (
     BindError,
     ImageError,
+    PolicyError,
     RuntimeSetupError,
     StepLayoutError,
     TfimageError,
 )
 from tfimage.agent.core.logtext import oneline
+from tfimage.agent.core.partition import PartitionRule, check_image, check_name, rule_for
 from tfimage.agent.step import imageaccess, imagemount, slurmstubs
 from tfimage.agent.step.binds import parse_site_binds, parse_user_binds, under
 from tfimage.agent.step.gpudriver import LIB_DIR as DRIVER_LIB_DIR
@@ -95,9 +97,11 @@ def _ready(
     uid: int | None,
     *,
     prolog: bool = False,
+    policy: tuple[str, PartitionRule | None, str] = ("", None, ""),
 ) -> tuple[CachedImage, Path | None]:
     """The job's image in the node cache, and mounted when the runtime needs that,
-    once ``uid`` (the job's user, as Slurm gives it) may run it (imageaccess.py)."""
+    once ``uid`` (the job's user, as Slurm gives it) may run it (imageaccess.py) and
+    the ``policy``'s partition rule, if any, admits it: (partition, rule, asked)."""
     ref = cfg.reference(image)
     key = str(ref.unpinned)
     images = JobImages(cfg, job_id)
@@ -107,11 +111,23 @@ def _ready(
         raise ImageError(f"the prolog could not ready it on this node: {why}")
     if known and not ref.digest:
         ref = cfg.reference(known)  # what the job was pinned to, not what the tag is now
+    partition, rule, asked = policy
     try:
+        if rule:
+            check_name(rule, partition, ref, asked)
         imageaccess.check_named(cfg, ref, uid)
         cache = cache or ImageCache(cfg)
         cached = Puller(cache).ensure(ref, job=job_id, uid=uid)
         assert cached.ref.digest
+        if rule:
+            digest = cached.ref.digest
+            try:
+                converted = cache.read_entry(digest).blob is None
+                check_image(rule, partition, cached.ref, cached.size, converted)
+            except PolicyError:
+                # The job will never run it: its hold would keep it from eviction.
+                cache.update_entry(digest, lambda e: e.without_holders({job_id}))
+                raise
         # Where the cached bytes came from: read once, for access and mount trust.
         needed = cfg.access or runtime.needs_mount
         origin = cache.read_entry(cached.ref.digest).origin if needed else None
@@ -144,15 +160,20 @@ def prepare_job(
     image: str,
     cache: ImageCache | None = None,
     uid: int | None = None,
+    partition: str = "",
+    asked: str = "",
 ) -> CachedImage:
     """Prolog: pull the image into the node cache and mount it if the runtime needs it.
 
     The pinned reference is remembered for the job, so its steps reuse exactly the
     bytes the prolog fetched without asking the registry again; a failure is
     remembered too, and the job's steps report it at once instead of trying again.
+    That is how a refusal by the rule for the job's ``partition`` (core/partition.py;
+    ``asked``, the ``--tf-image`` text as written) reaches each step's stderr.
     """
     runtime = runtime_for(cfg.runtime, cfg.runtime_path, nvccli=cfg.gpu.nvccli)
-    return _ready(cfg, job_id, image, runtime, cache, uid, prolog=True)[0]
+    rule = (partition, rule_for(cfg.partitions, partition), asked)
+    return _ready(cfg, job_id, image, runtime, cache, uid, prolog=True, policy=rule)[0]
 
 
 def _home_of(uid: int) -> str | None:

@@ -115,6 +115,8 @@ SLURMS_OWN = {
         ("--gpus", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"),
         ("--mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
         ("--uid", "SLURM_JOB_UID"),
+        ("--asked", "SPANK__SLURM_SPANK_OPTION_tfimage_tf_image"),
+        ("--partition", "SLURM_JOB_PARTITION"),
     ],
     "tfimage-epilog": [
         ("--job", "SLURM_JOB_ID"),
