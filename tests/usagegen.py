@@ -21,6 +21,7 @@ IMAGES = [
 IMAGES += ["reg.example/team/bert:1", "reg.example/team/flaky:3"]
 USERS = [f"user{i}" for i in range(12)]
 PARTITIONS = ["gpu", "debug", "long"]
+ACCOUNTS = ["team-a", "team-b"]
 T0 = 1_764_547_200.0  # 2025-12-01T00:00:00Z
 
 
@@ -31,6 +32,7 @@ class Gen:
     image: str
     user: str
     partition: str
+    account: str
     start: float
     end: float
     failed: bool
@@ -62,7 +64,7 @@ def generate(root: Path, jobs: int, nodes: int = 8, seed: int = 7) -> list[Gen]:
                 "uid": "1001",
                 "partition": rng.choice(PARTITIONS),
                 "node": node,
-                "account": "proj",
+                "account": rng.choice(ACCOUNTS),
                 "exit": f"{exit_code}:0",
                 "image": image,
                 "image_asked": image.split("/", 1)[1],
@@ -75,8 +77,8 @@ def generate(root: Path, jobs: int, nodes: int = 8, seed: int = 7) -> list[Gen]:
         lines[node].append(record.line_of(rec))
         failed = bool(exit_code or image_error)
         out.append(
-            Gen(rec["job_id"], node, image, rec["user"], rec["partition"], start, start + wall,
-                failed, gpus, sum(energy))
+            Gen(rec["job_id"], node, image, rec["user"], rec["partition"], rec["account"], start,
+                start + wall, failed, gpus, sum(energy))
         )  # fmt: skip
     for node, ls in lines.items():
         d = root / node

@@ -25,7 +25,7 @@ from typing import Any
 from tfimage.agent.core.errors import InputError
 from tfimage.agent.usage import record
 
-BY = ("image", "user", "partition", "node")
+BY = ("image", "user", "account", "partition", "node")
 TREND = ("day", "week")
 # Names a directory's usage logs carry: the role's, rotated (usage.jsonl.1, or with
 # logrotate's dateext usage.jsonl-20261203), compressed.

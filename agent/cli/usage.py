@@ -1,7 +1,7 @@
 """``tfimage usage report``: what ran, from the usage records of many nodes.
 
 Reads the files and directories given (default: this node's usage log).  One view
-at a time: the summary ``--by`` image, user, partition or node; ``--top-failing N``;
+at a time: the summary ``--by`` image, user, account, partition or node; ``--top-failing N``;
 ``--trend day|week``.  A table on a terminal, JSON with ``--json``; ``--plot`` also
 draws the duration trend and the failing images to a PNG.
 """

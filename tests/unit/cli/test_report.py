@@ -48,7 +48,13 @@ def test_the_summary_equals_an_independent_computation(
     want: dict[str, list[Gen]] = defaultdict(list)
     for g in gens:
         want[
-            {"image": g.image, "user": g.user, "partition": g.partition, "node": g.node}[by]
+            {
+                "image": g.image,
+                "user": g.user,
+                "account": g.account,
+                "partition": g.partition,
+                "node": g.node,
+            }[by]
         ].append(g)
     rows = {r["key"]: r for r in report.summarize(loaded.jobs)}
     assert set(rows) == set(want)
