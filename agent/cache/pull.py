@@ -39,6 +39,9 @@ if TYPE_CHECKING:  # the registry client (and its transport) load only when need
     from tfimage.agent.registry.client import Manifest, RegistryClient
 
 Progress = Callable[[int, int], None]
+# Asked before anything is downloaded or converted: the SIF's size (0 where an OCI
+# image is yet to be converted) and whether it is converted; raises to refuse it.
+Admit = Callable[[int, bool], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +81,14 @@ class Puller:
         progress: Progress | None = None,
         job: str | None = None,
         uid: int | None = None,
+        admit: Admit | None = None,
     ) -> CachedImage:
         """Make sure the image ``ref`` names is in the cache; return it pinned.
 
         ``job`` (the prolog's and the steps') becomes a holder: eviction never takes
         an image a running job holds.  ``uid``, the job's user, may own a copy
-        staged for the job (staged.py).
+        staged for the job (staged.py).  ``admit`` may refuse a download or a
+        conversion before it starts (a cached image is the caller's to judge).
         """
         started = time.monotonic()
         cache = self.cache
@@ -113,7 +118,8 @@ class Puller:
                         path = cache.path_of(ref.digest)
                         hit = path.exists()
                         if not hit:
-                            self._fill(self._client_factory(host), host, ref, progress, job)
+                            self._fill(self._client_factory(host), host, ref, progress, job,
+                                       admit=admit)  # fmt: skip
                     pinned = ref
                 else:
                     # By tag: requests for the same tag at once ask the registry once
@@ -135,9 +141,10 @@ class Puller:
                             pass
                         elif asked:
                             client, manifest = asked[0]
-                            self._fill(client, host, pinned, progress, job, manifest)
+                            self._fill(client, host, pinned, progress, job, manifest, admit)
                         else:  # another asked for the tag: the manifest by its digest
-                            self._fill(self._client_factory(host), host, pinned, progress, job)
+                            self._fill(self._client_factory(host), host, pinned, progress,
+                                       job, admit=admit)  # fmt: skip
                 if hit:
                     cache.touch(pinned, pinned.digest or "", job=job)
             except RegistryUnreachable as e:
@@ -193,6 +200,7 @@ class Puller:
         progress: Progress | None,
         job: str | None,
         manifest: Manifest | None = None,
+        admit: Admit | None = None,
     ) -> None:
         """Under the digest's lock: put the image ``pinned`` names into the cache,
         with its metadata (published together: see :meth:`ImageCache.publish`)."""
@@ -206,6 +214,8 @@ class Puller:
             manifest = client.manifest(pinned.repository, pinned.digest)
         if pinned.transport == "docker" or is_image_manifest(manifest.body):
             # An OCI image: converted once, cached under its manifest digest.
+            if admit:
+                admit(0, True)
             converted = layout.cache_converted(root, pinned.digest)
             try:
                 oci_to_sif(
@@ -222,6 +232,8 @@ class Puller:
             return
         tmp = layout.cache_partial(root, pinned.digest)
         layer = sif_layer(manifest)
+        if admit:
+            admit(layer.size, False)
         self._download(client, pinned, layer, tmp, progress)
         try:
             self.cache.publish(tmp, pinned, job=job, source=host, blob=layer.digest)

@@ -9,12 +9,12 @@
         max_image_bytes: 20GiB               # the largest SIF (bytes, or K/M/G/TiB)
       dev: {}                                # any image the site allows
 
-The rule is the first key (in the file's order) that matches the partition Slurm
-runs the job in: the prolog's ``SLURM_JOB_PARTITION``, which slurmd sets; nothing
-the job says picks one.  A partition no key matches runs any image, as before.
-
-A rule only narrows what the rest of the config allows (``allowed_registries``,
-``access:``).  Its name checks (registry, repository, digest, a ``docker://``
+Every key that matches the partition Slurm runs the job in applies (the prolog's
+``SLURM_JOB_PARTITION``, which slurmd sets; nothing the job says picks one), as
+``access:`` rules do: a rule only ever narrows, so the order of the keys never
+matters (the role writes them sorted).  A partition no key matches runs any image,
+as before; a rule never widens what the rest of the config allows
+(``allowed_registries``, ``access:``).  Its name checks (registry, repository, digest, a ``docker://``
 name) come before anything is pulled; the SIF's size and whether it was converted
 from an OCI image, once the image is in the node's cache.  A refusal is a
 :class:`PolicyError` that names the partition and the rule.
@@ -129,17 +129,23 @@ def parse_size(value: Any, where: str) -> int:
     return size
 
 
-def rule_for(rules: tuple[PartitionRule, ...], partition: str) -> PartitionRule | None:
-    """The first rule matching ``partition``; None where it runs any image."""
+def rules_for(rules: tuple[PartitionRule, ...], partition: str) -> tuple[PartitionRule, ...]:
+    """Every rule matching ``partition``: each must admit a job's image (none: any)."""
     if not partition:
-        return None
-    return next((r for r in rules if r.matches(partition)), None)
+        return ()
+    return tuple(r for r in rules if r.matches(partition))
 
 
-def check_name(rule: PartitionRule, partition: str, ref: Reference, asked: str) -> None:
-    """PolicyError unless ``partition`` may run ``ref`` by its name; ``asked`` is the
-    ``--tf-image`` text as the user wrote it (whether it named a digest)."""
-    where = f"partition {partition}"
+def check_name(
+    rules: tuple[PartitionRule, ...], partition: str, ref: Reference, asked: str
+) -> None:
+    """PolicyError unless every rule of ``partition`` runs ``ref`` by its name;
+    ``asked`` is the ``--tf-image`` text as the user wrote it (did it name a digest)."""
+    for rule in rules:
+        _name(rule, f"partition {partition}", ref, asked)
+
+
+def _name(rule: PartitionRule, where: str, ref: Reference, asked: str) -> None:
     if rule.registries and ref.registry not in rule.registries:
         raise PolicyError(
             f"{where} runs images from {', '.join(rule.registries)} only, not {ref.registry}"
@@ -160,11 +166,15 @@ def check_name(rule: PartitionRule, partition: str, ref: Reference, asked: str) 
 
 
 def check_image(
-    rule: PartitionRule, partition: str, ref: Reference, size: int, converted: bool
+    rules: tuple[PartitionRule, ...], partition: str, ref: Reference, size: int, converted: bool
 ) -> None:
-    """PolicyError unless ``partition`` may run the image now in the cache: its SIF's
-    ``size``, and whether it was ``converted`` from an OCI image."""
-    where = f"partition {partition}"
+    """PolicyError unless every rule of ``partition`` runs the image now in the cache:
+    its SIF's ``size``, and whether it was ``converted`` from an OCI image."""
+    for rule in rules:
+        _image(rule, f"partition {partition}", ref, size, converted)
+
+
+def _image(rule: PartitionRule, where: str, ref: Reference, size: int, converted: bool) -> None:
     if not rule.allow_conversion and converted:
         raise PolicyError(
             f"{where} runs SIF images only: {ref.unpinned} is an OCI image (push it as a SIF)"

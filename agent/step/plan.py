@@ -26,7 +26,7 @@ from tfimage.agent.core.errors import (
     TfimageError,
 )
 from tfimage.agent.core.logtext import oneline
-from tfimage.agent.core.partition import PartitionRule, check_image, check_name, rule_for
+from tfimage.agent.core.partition import PartitionRule, check_image, check_name, rules_for
 from tfimage.agent.step import imageaccess, imagemount, slurmstubs
 from tfimage.agent.step.binds import parse_site_binds, parse_user_binds, under
 from tfimage.agent.step.gpudriver import LIB_DIR as DRIVER_LIB_DIR
@@ -97,11 +97,11 @@ def _ready(
     uid: int | None,
     *,
     prolog: bool = False,
-    policy: tuple[str, PartitionRule | None, str] = ("", None, ""),
+    policy: tuple[str, tuple[PartitionRule, ...], str] = ("", (), ""),
 ) -> tuple[CachedImage, Path | None]:
     """The job's image in the node cache, and mounted when the runtime needs that,
     once ``uid`` (the job's user, as Slurm gives it) may run it (imageaccess.py) and
-    the ``policy``'s partition rule, if any, admits it: (partition, rule, asked)."""
+    the ``policy``'s partition rules admit it: (partition, its rules, asked)."""
     ref = cfg.reference(image)
     key = str(ref.unpinned)
     images = JobImages(cfg, job_id)
@@ -111,19 +111,24 @@ def _ready(
         raise ImageError(f"the prolog could not ready it on this node: {why}")
     if known and not ref.digest:
         ref = cfg.reference(known)  # what the job was pinned to, not what the tag is now
-    partition, rule, asked = policy
+    partition, rules, asked = policy
     try:
-        if rule:
-            check_name(rule, partition, ref, asked)
+        check_name(rules, partition, ref, asked)
         imageaccess.check_named(cfg, ref, uid)
         cache = cache or ImageCache(cfg)
-        cached = Puller(cache).ensure(ref, job=job_id, uid=uid)
+        admit = None
+        if rules:  # refused before a download or a conversion, where it can be
+
+            def admit(size: int, converted: bool) -> None:
+                check_image(rules, partition, ref, size, converted)
+
+        cached = Puller(cache).ensure(ref, job=job_id, uid=uid, admit=admit)
         assert cached.ref.digest
-        if rule:
+        if rules:  # a cache hit, a staged copy, a converted image's size
             digest = cached.ref.digest
             try:
                 converted = cache.read_entry(digest).blob is None
-                check_image(rule, partition, cached.ref, cached.size, converted)
+                check_image(rules, partition, cached.ref, cached.size, converted)
             except PolicyError:
                 # The job will never run it: its hold would keep it from eviction.
                 cache.update_entry(digest, lambda e: e.without_holders({job_id}))
@@ -172,8 +177,8 @@ def prepare_job(
     ``asked``, the ``--tf-image`` text as written) reaches each step's stderr.
     """
     runtime = runtime_for(cfg.runtime, cfg.runtime_path, nvccli=cfg.gpu.nvccli)
-    rule = (partition, rule_for(cfg.partitions, partition), asked)
-    return _ready(cfg, job_id, image, runtime, cache, uid, prolog=True, policy=rule)[0]
+    policy = (partition, rules_for(cfg.partitions, partition), asked)
+    return _ready(cfg, job_id, image, runtime, cache, uid, prolog=True, policy=policy)[0]
 
 
 def _home_of(uid: int) -> str | None:

@@ -1,6 +1,6 @@
-"""The config's partitions: rules: parsed strictly, one line per fault; the first
-key matching the job's partition picks the rule; each check refuses with a line
-that names the partition and what it runs."""
+"""The config's partitions: rules: parsed strictly, one line per fault; every key
+matching the job's partition applies, whatever their order; each check refuses with
+a line that names the partition and what it runs."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tfimage.agent.core.partition import (
     check_name,
     parse_size,
     partition_rules,
-    rule_for,
+    rules_for,
 )
 from tfimage.agent.core.reference import Reference, parse_reference
 
@@ -49,12 +49,21 @@ def test_the_seeds_prod_and_dev_pair_parses_in_order() -> None:
     assert config_from_mapping({}).partitions == ()
 
 
-def test_the_first_matching_key_picks_the_rule_and_no_key_means_none() -> None:
-    rules = partition_rules({"gpu-a100": {"require_digest": True}, "gpu-*": {}}, P)
-    assert rule_for(rules, "gpu-a100") is rules[0]
-    assert rule_for(rules, "gpu-h100") is rules[1]
-    assert rule_for(rules, "debug") is None
-    assert rule_for(rules, "") is None  # no partition known: no rule
+def test_every_matching_key_applies_in_any_order_and_no_key_means_none() -> None:
+    strict = {"require_digest": True}
+    small = {"max_image_bytes": 100}
+    for order in ({"gpu-a100": strict, "gpu-*": small}, {"gpu-*": small, "gpu-a100": strict}):
+        rules = partition_rules(order, P)
+        both = rules_for(rules, "gpu-a100")
+        assert {r.glob for r in both} == {"gpu-a100", "gpu-*"}
+        assert [r.glob for r in rules_for(rules, "gpu-h100")] == ["gpu-*"]
+        ref = _ref(f"tiny:1@{DIGEST}")
+        with pytest.raises(PolicyError, match="requires a digest"):
+            check_name(both, "gpu-a100", ref, "tiny:1")
+        with pytest.raises(PolicyError, match="at most 100 bytes"):
+            check_image(both, "gpu-a100", ref, 101, converted=False)
+    assert rules_for(rules, "debug") == ()
+    assert rules_for(rules, "") == ()  # no partition known: no rule
 
 
 @pytest.mark.parametrize(
@@ -100,14 +109,14 @@ def test_a_size_with_a_unit_is_its_number_times_the_units_power_of_1024(n: int, 
 
 def _refused(rule: PartitionRule, ref_text: str, asked: str) -> str:
     with pytest.raises(PolicyError) as e:
-        check_name(rule, "prod", _ref(ref_text), asked)
+        check_name((rule,), "prod", _ref(ref_text), asked)
     return str(e.value)
 
 
 def test_a_pinned_image_of_an_allowed_repository_passes_by_name() -> None:
     (rule,) = partition_rules({"prod": PROD}, P)
-    check_name(rule, "prod", _ref(f"team-a/tiny:1.0@{DIGEST}"), f"team-a/tiny:1.0@{DIGEST}")
-    check_image(rule, "prod", _ref(f"tiny@{DIGEST}"), 1 << 30, converted=False)
+    check_name((rule,), "prod", _ref(f"team-a/tiny:1.0@{DIGEST}"), f"team-a/tiny:1.0@{DIGEST}")
+    check_image((rule,), "prod", _ref(f"tiny@{DIGEST}"), 1 << 30, converted=False)
 
 
 def test_each_name_check_says_what_the_partition_runs() -> None:
@@ -135,9 +144,9 @@ def test_the_image_checks_refuse_a_converted_image_and_one_over_the_size() -> No
     (rule,) = partition_rules({"prod": PROD}, P)
     ref = _ref(f"tiny:1.0@{DIGEST}")
     with pytest.raises(PolicyError, match=r"runs SIF images only: .* is an OCI image"):
-        check_image(rule, "prod", ref, 10, converted=True)
+        check_image((rule,), "prod", ref, 10, converted=True)
     with pytest.raises(PolicyError) as e:
-        check_image(rule, "prod", ref, (1 << 30) + (1 << 29), converted=False)
+        check_image((rule,), "prod", ref, (1 << 30) + (1 << 29), converted=False)
     assert str(e.value) == (
         f"partition prod runs images of at most 1.0 GiB: {REG}/library/tiny:1.0 is 1.5 GiB"
     )
@@ -146,5 +155,5 @@ def test_the_image_checks_refuse_a_converted_image_and_one_over_the_size() -> No
 def test_an_empty_rule_runs_anything() -> None:
     (rule,) = partition_rules({"dev": {}}, P)
     ref = _ref(f"docker://other.site/team-b/x:1@{DIGEST}")
-    check_name(rule, "dev", ref, "docker://other.site/team-b/x:1")
-    check_image(rule, "dev", ref, 1 << 45, converted=True)
+    check_name((rule,), "dev", ref, "docker://other.site/team-b/x:1")
+    check_image((rule,), "dev", ref, 1 << 45, converted=True)

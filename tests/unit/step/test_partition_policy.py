@@ -98,16 +98,23 @@ def test_a_repository_prod_does_not_run_is_refused_before_a_pull(site: Site) -> 
     assert _cached(site.cfg) == []
 
 
-def test_an_image_over_prods_size_is_refused_once_cached_and_stays_evictable(
+def test_an_image_over_prods_size_is_never_downloaded_and_a_cached_one_stays_evictable(
     registry: Registry, site: Site
 ) -> None:
     d = Path(site.cfg.cache_dir).parent
-    small = load_config(registry.write_site(d, partitions=RULES % (site.size - 1)))
+    small = Site(
+        load_config(registry.write_site(d, partitions=RULES % (site.size - 1))),
+        site.digest,
+        site.size,
+    )
     pinned = f"tiny:1.0@{site.digest}"
-    said = _prod(Site(small, site.digest, site.size), "1", pinned, pinned)
+    said = _prod(small, "1", pinned, pinned)
     assert said.startswith("partition prod runs images of at most ") and " is " in said
-    entry = ImageCache(small).read_entry(site.digest)
-    assert entry.size == site.size and entry.holders == ()  # the job holds nothing
+    assert _cached(small.cfg) == []  # refused by the manifest's size: nothing came
+    prepare_job(small.cfg, "2", pinned, uid=UID, partition="dev", asked=pinned)
+    assert _prod(small, "3", pinned, pinned) == said  # a cache hit: judged by its file
+    entry = ImageCache(small.cfg).read_entry(site.digest)
+    assert entry.size == site.size and entry.holders == ("2",)  # never held by job 3
 
 
 def test_a_docker_name_and_an_oci_image_are_refused_where_conversion_is_off(
