@@ -430,6 +430,10 @@ $nodes
 # and n2 as the tests expect; all: every node (jobs on more, the fleet's benches).
 PartitionName=debug Nodes=${NODES[0]},${NODES[1]} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 PartitionName=all Nodes=$(IFS=,; echo "${NODES[*]}") MaxTime=INFINITE State=UP OverSubscribe=YES
+# The seed's two queues on n1 and n2; tfimage_partitions (the role's vars) says which
+# images each runs.
+PartitionName=prod Nodes=${NODES[0]},${NODES[1]} MaxTime=INFINITE State=UP OverSubscribe=YES Priority=1000
+PartitionName=dev Nodes=${NODES[0]},${NODES[1]} MaxTime=12:00:00 State=UP OverSubscribe=YES Priority=100
 CONF
     chmod 0644 "$ETC/slurm.conf"
     # A job's cgroup may open only its own GPUs' device files (gres.conf's File=), as
@@ -573,6 +577,11 @@ tfimage_registry_credentials:
 # team-a's project is team-a's: only Unix group team-a runs it (TEST_USER is in it,
 # TEST_USER2 is not).
 tfimage_access: {"$TEAM/*": ["@$TEAM"]}
+# prod runs only what can be traced: by digest, from this registry's library/ and
+# team-a/, SIF images only; dev runs any image (the debug and all partitions too).
+tfimage_partitions:
+  prod: {registries: ["$REGISTRY"], repositories: ["library/*", "$TEAM/*"], require_digest: true, allow_conversion: false}
+  dev: {}
 tfimage_runtime: charliecloud
 tfimage_cache_dir: /var/cache/tfimage
 # The controller's one pull per multi-node job (TFIMAGE_STAGE=0: off), its staging

@@ -1,0 +1,96 @@
+"""The seed's prod and dev partitions on the real cluster: prod runs only images that
+can be traced (by digest, from the registry's library/ and team-a/, SIF images,
+within a size), dev runs the same jobs; a refused job fails with the reason on the
+user's stderr, and its node is never drained."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from conftest import Cluster, busybox_sif, push, site_registry
+
+from support import push_oci_image
+
+pytestmark = pytest.mark.cluster
+MARKER = "/etc/tfimage-test-image"
+
+
+def _srun(
+    cluster: Cluster, workdir: Path, partition: str, image: str, cat: str = "cat"
+) -> tuple[int, str, str]:
+    r = cluster.run(
+        ["srun", "-p", partition, "-N1", "-w", "n1", f"--tf-image={image}", *cat.split(), MARKER],
+        cwd=workdir,
+    )
+    return r.returncode, r.stdout, r.stderr
+
+
+def _fresh(cluster: Cluster, tmp_path: Path, repo: str) -> tuple[str, str]:
+    """A new image in ``repo`` (on no node yet): its marker and digest."""
+    marker = f"{repo.rsplit('/', 1)[-1]}-{os.urandom(4).hex()}"
+    return marker, push(cluster, busybox_sif(tmp_path, marker), f"{repo}:1")
+
+
+def test_prod_refuses_a_tag_that_dev_runs_and_runs_it_by_digest(
+    cluster: Cluster, workdir: Path, tmp_path: Path
+) -> None:
+    marker, digest = _fresh(cluster, tmp_path, "library/policy-tag")
+    rc, _, err = _srun(cluster, workdir, "prod", "policy-tag:1")
+    assert rc != 0, err
+    assert "partition prod requires a digest: --tf-image=policy-tag:1@sha256:..." in err, err
+    cluster.assert_never_drained("n1")
+    rc, out, err = _srun(cluster, workdir, "dev", "policy-tag:1")
+    assert (rc, out) == (0, f"{marker}\n"), err
+    rc, out, err = _srun(cluster, workdir, "prod", f"policy-tag:1@{digest}")
+    assert (rc, out) == (0, f"{marker}\n"), err
+
+
+def test_prod_refuses_a_repository_outside_its_projects_before_any_pull(
+    cluster: Cluster, workdir: Path, tmp_path: Path
+) -> None:
+    _, digest = _fresh(cluster, tmp_path, "team-b/policy-repo")
+    rc, _, err = _srun(cluster, workdir, "prod", f"team-b/policy-repo:1@{digest}")
+    assert rc != 0
+    assert (
+        "partition prod runs images of library/*, team-a/* only, not team-b/policy-repo" in err
+    ), err
+    cache = cluster.state / "nodes" / "n1" / "cache" / "images"
+    assert not (cache / f"{digest.replace(':', '-')}.sif").exists()  # nothing pulled
+    cluster.assert_never_drained("n1")
+
+
+def test_prod_refuses_an_oci_image_that_dev_converts_and_runs(
+    cluster: Cluster, workdir: Path, tmp_path: Path
+) -> None:
+    name = f"policy-oci{os.getpid()}"
+    push_oci_image(site_registry(cluster), tmp_path, f"library/{name}")
+    rc, out, err = _srun(cluster, workdir, "dev", f"{name}:1", cat="busybox cat")
+    assert (rc, out) == (0, "oci-marker\n"), err
+    r = cluster.run(["tfimage", "resolve", f"{name}:1"], as_root=True)
+    assert r.returncode == 0, r.stderr
+    digest = r.stdout.strip().rsplit("@", 1)[1]
+    rc, _, err = _srun(cluster, workdir, "prod", f"{name}:1@{digest}")
+    assert rc != 0
+    assert f"partition prod runs SIF images only: {cluster.env['TFIMAGE_REGISTRY']}" in err, err
+    assert "is an OCI image (push it as a SIF)" in err, err
+    cluster.assert_never_drained("n1")
+
+
+def test_prod_refuses_an_image_over_its_size_and_a_batch_job_says_why(
+    cluster: Cluster, workdir: Path, tmp_path: Path
+) -> None:
+    _, digest = _fresh(cluster, tmp_path, "library/policy-size")
+    rules = {"prod": {"max_image_bytes": "4K"}, "dev": {}}
+    with cluster.config_with(partitions=rules):
+        r, out = cluster.sbatch(
+            workdir,
+            "big.sh",
+            f"#!/bin/sh\n#SBATCH -p prod -N1 -w n1 --tf-image=policy-size@{digest}\n"
+            "#SBATCH -o big.out\nsrun cat /etc/tfimage-test-image\n",
+            "big.out",
+        )
+    assert r.returncode != 0, out
+    assert "partition prod runs images of at most 4.0 KiB: " in out, out
+    cluster.assert_never_drained("n1")
