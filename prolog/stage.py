@@ -65,7 +65,10 @@ def _stage(argv: Sequence[str] | None, log: logging.Logger) -> int:
         return 0
     from tfimage.agent.stage.job import stage  # a job that stops above loads none of it
 
-    outcome = stage(cfg, args.job_id, args.image, args.nodes, owner)
+    outcome = stage(
+        cfg, args.job_id, args.image, args.nodes, owner,
+        partition=args.partition, asked=args.image_asked,
+    )  # fmt: skip
     if outcome.held:
         return 0  # a warm job: a line for each would say nothing new
     line = outcome.line(args.job_id, oneline(args.image, 200))

@@ -63,9 +63,12 @@ it against the parsers here, both ways.
    The controller's hook, Slurm's ``PrologSlurmctld`` (stage/), the same way::
 
        tfimage-stage --config=PATH --job=N --image=REF --nodes=HOSTLIST --uid=N --gid=N
+                     --asked=TEXT --partition=P
 
    ``--nodes`` is ``SLURM_JOB_NODELIST``, Slurm's compact list, counted before it is
-   expanded; ``--uid`` and ``--gid`` the job owner's, whom the broadcast runs as.
+   expanded; ``--uid`` and ``--gid`` the job owner's, whom the broadcast runs as;
+   ``--asked`` and ``--partition`` as the prolog's (an image the partition refuses
+   is not staged).
    Its front (the role's ``tfimage-stage`` script) starts nothing for a job without
    ``--tf-image`` or on one node (``SLURM_JOB_NUM_NODES``), and asks the daemon's
    stage socket (Slurm's user's: ``PrologSlurmctld`` runs as that user).
@@ -180,7 +183,7 @@ HOOK_FLAGS: dict[str, tuple[HookFlag, ...]] = {
         _GPUS,
         _MPS,
     ),
-    STAGE_HOOK: (_JOB, _IMAGE, _NODES, _UID, _GID),
+    STAGE_HOOK: (_JOB, _IMAGE, _NODES, _UID, _GID, _ASKED, _PARTITION),
 }
 
 

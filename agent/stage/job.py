@@ -7,8 +7,10 @@ prologs start only once this returns: docs/developer.md, "What Slurm itself does
    it is expanded; none: nothing is pulled or sent;
 2. the image, by the digest the job was pinned to at submit, pulled once into the
    staging cache (``stage_dir``: a cache like a node's, with the same pull, lock,
-   checks and eviction), after the same access check a node makes: a user is never
-   sent bytes they may not run;
+   checks and eviction), after the same access check a node makes (a user is never
+   sent bytes they may not run) and the same partition rules (core/partition.py:
+   an image the job's partition refuses is neither pulled nor sent; each node's
+   prolog tells the job why);
 3. its manifest and SIF sent with ``sbcast`` as the job's user (sbcast.py) to
    ``cache_dir/staged/`` on those nodes, where each node's prolog checks them as a
    download (cache/staged.py);
@@ -36,9 +38,10 @@ from tfimage.agent.core import layout
 from tfimage.agent.core.access import check
 from tfimage.agent.core.config import Config
 from tfimage.agent.core.deadline import deadline
-from tfimage.agent.core.errors import RegistryUnreachable, TfimageError, cause
+from tfimage.agent.core.errors import PolicyError, RegistryUnreachable, TfimageError, cause
 from tfimage.agent.core.hostlist import expand_hostlist
 from tfimage.agent.core.ids import valid_job_id
+from tfimage.agent.core.partition import PartitionRule, check_image, check_name, rules_for
 from tfimage.agent.core.reference import Reference
 from tfimage.agent.registry.client import RegistryClient
 from tfimage.agent.stage import sbcast
@@ -84,11 +87,14 @@ def stage(
     generation: Callable[[], tuple[int, int] | None] | None = None,
     client_factory: ClientFactory | None = None,
     now: Callable[[], float] = time.time,
+    partition: str = "",
+    asked: str = "",
 ) -> Outcome:
     """Stage ``image`` for ``job_id`` (its ``owner``'s uid and gid, as Slurm gave
-    them) on ``nodelist``; never raises a TfimageError or an OSError (the outcome
-    says why it fell back).  ``broadcast``, ``generation`` and ``client_factory``
-    are sbcast's and the registry's unless a test gives its own."""
+    them; its ``partition``, and ``asked``, the ``--tf-image`` text) on ``nodelist``;
+    never raises a TfimageError or an OSError (the outcome says why it fell back).
+    ``broadcast``, ``generation`` and ``client_factory`` are sbcast's and the
+    registry's unless a test gives its own."""
     started = time.monotonic()
     if not valid_job_id(job_id):
         return Outcome(skipped="no valid job id")
@@ -105,9 +111,11 @@ def stage(
     if not ref.digest or ref.transport == "docker":
         what = "not pinned at submit" if not ref.digest else "an OCI image: each node converts"
         return Outcome(len(nodes), skipped=f"{what}; each node pulls for itself")
+    rules = rules_for(cfg.partitions, partition)
     try:
         if cfg.access:
             check(cfg.access, ref.repository, owner[0])
+        check_name(rules, partition, ref, asked)
     except TfimageError as e:
         return Outcome(len(nodes), skipped=f"not staged: {cause(e)}")
     ledger = Ledger(cfg.stage_dir)
@@ -122,8 +130,10 @@ def stage(
         with deadline(limit, "stage", "stage_deadline"):
             targets, pulled = _stage(
                 cfg, job_id, ref, nodes, lacking, owner, started + limit,
-                broadcast, generation, client_factory,
+                broadcast, generation, client_factory, (partition, rules),
             )  # fmt: skip
+    except PolicyError as e:  # the nodes' prologs say it to the job
+        return Outcome(len(nodes), skipped=f"not staged: {cause(e)}")
     except (TfimageError, OSError) as e:
         return Outcome(len(nodes), failed=cause(e), seconds=time.monotonic() - started)
     if not targets:
@@ -144,16 +154,24 @@ def _stage(
     broadcast: Broadcast,
     generation: Callable[[], tuple[int, int] | None] | None,
     client_factory: ClientFactory | None,
+    policy: tuple[str, tuple[PartitionRule, ...]],
 ) -> tuple[list[str], bool]:
     """The pull and the broadcast; the nodes it went to ([]: not a SIF), and whether
-    the staging cache had to pull."""
+    the staging cache had to pull.  ``policy``: the job's partition and its rules,
+    which may refuse the image by its size before it is pulled (PolicyError)."""
     assert ref.digest
+    partition, rules = policy
     staging = ImageCache(cfg.staging())
     staging.make_dirs()
     os.chmod(staging.root, 0o700)  # the user reads one image through a descriptor, no path
-    got = Puller(staging, client_factory).ensure(ref, job=job_id)
+
+    def admit(size: int, converted: bool) -> None:
+        check_image(rules, partition, ref, size, converted)
+
+    got = Puller(staging, client_factory).ensure(ref, job=job_id, admit=admit if rules else None)
     try:
         entry = staging.read_entry(ref.digest)
+        check_image(rules, partition, ref, got.size, entry.blob is None)
         if entry.blob is None:  # converted there: nothing a node could check
             return [], not got.hit
         if cfg.access and entry.origin:

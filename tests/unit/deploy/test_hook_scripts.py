@@ -142,6 +142,8 @@ SLURMS_OWN = {
         ("--nodes", "SLURM_JOB_NODELIST"),
         ("--uid", "SLURM_JOB_UID"),
         ("--gid", "SLURM_JOB_GID"),
+        ("--asked", "SPANK__SLURM_SPANK_OPTION_tfimage_tf_image"),
+        ("--partition", "SLURM_JOB_PARTITION"),
     ],
 }
 

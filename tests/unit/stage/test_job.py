@@ -177,6 +177,33 @@ def test_a_user_the_access_rules_refuse_is_sent_nothing(
     assert not tree.calls and not Path(cfg.stage_dir).exists()
 
 
+def test_an_image_the_jobs_partition_refuses_is_neither_pulled_nor_sent(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    """Each node's prolog tells the job why; the controller only keeps its bytes home:
+    by name before anything, by the manifest's size before the download."""
+    digest = _push(registry, make_sif, "stpolicy")
+    rules = '{"prod": {"require_digest": true, "max_image_bytes": 4096}}'
+    cfg = load_config(
+        registry.write_site(tmp_path, stage_dir=str(tmp_path / "stage"), partitions=rules)
+    )
+    tree = Tree(tmp_path, cfg)
+    image = f"stpolicy:1@{digest}"
+    out = stage(
+        cfg, "19", image, "n[1-2]", OWNER, broadcast=tree, partition="prod", asked="stpolicy:1"
+    )
+    assert (out.skipped or "").startswith("not staged: partition prod requires a digest"), out
+    assert not tree.calls and not Path(cfg.stage_dir).exists()
+    out = stage(cfg, "20", image, "n[1-2]", OWNER, broadcast=tree, partition="prod", asked=image)
+    assert (out.skipped or "").startswith(
+        "not staged: partition prod runs images of at most 4.0 KiB"
+    )
+    assert not tree.calls and not list(layout.cache_images(cfg.stage_dir).glob("*.sif"))
+    out = stage(cfg, "21", image, "n[1-2]", OWNER, broadcast=tree, partition="dev", asked=image,
+                generation=lambda: None)  # fmt: skip
+    assert out.sent == ("n1", "n2") and not out.failed, out  # another partition: staged
+
+
 @pytest.mark.parametrize(
     ("image", "nodes", "skipped"),
     [
