@@ -14,10 +14,11 @@ Every key that matches the partition Slurm runs the job in applies (the prolog's
 ``access:`` rules do: a rule only ever narrows, so the order of the keys never
 matters (the role writes them sorted).  A partition no key matches runs any image,
 as before; a rule never widens what the rest of the config allows
-(``allowed_registries``, ``access:``).  Its name checks (registry, repository, digest, a ``docker://``
-name) come before anything is pulled; the SIF's size and whether it was converted
-from an OCI image, once the image is in the node's cache.  A refusal is a
-:class:`PolicyError` that names the partition and the rule.
+(``allowed_registries``, ``access:``).  Its name checks (registry, repository,
+digest, a ``docker://`` name) come before anything is pulled; the SIF's size (the
+manifest's) and whether it is an OCI image, before a download or a conversion, and
+again for an image already cached.  A refusal is a :class:`PolicyError` that names
+the partition and the rule.
 """
 
 from __future__ import annotations

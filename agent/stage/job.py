@@ -26,6 +26,7 @@ OCI image (each node converts its own) keep the nodes' own path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -164,11 +165,8 @@ def _stage(
     staging = ImageCache(cfg.staging())
     staging.make_dirs()
     os.chmod(staging.root, 0o700)  # the user reads one image through a descriptor, no path
-
-    def admit(size: int, converted: bool) -> None:
-        check_image(rules, partition, ref, size, converted)
-
-    got = Puller(staging, client_factory).ensure(ref, job=job_id, admit=admit if rules else None)
+    admit = functools.partial(check_image, rules, partition, ref) if rules else None
+    got = Puller(staging, client_factory).ensure(ref, job=job_id, admit=admit)
     try:
         entry = staging.read_entry(ref.digest)
         check_image(rules, partition, ref, got.size, entry.blob is None)

@@ -7,6 +7,7 @@ Called as root, by the prolog (once per job) and by the SPANK plugin's helper
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pwd
@@ -116,26 +117,23 @@ def _ready(
         check_name(rules, partition, ref, asked)
         imageaccess.check_named(cfg, ref, uid)
         cache = cache or ImageCache(cfg)
-        admit = None
-        if rules:  # refused before a download or a conversion, where it can be
-
-            def admit(size: int, converted: bool) -> None:
-                check_image(rules, partition, ref, size, converted)
-
+        # Refused before a download or a conversion, where it can be.
+        admit = functools.partial(check_image, rules, partition, ref) if rules else None
         cached = Puller(cache).ensure(ref, job=job_id, uid=uid, admit=admit)
         assert cached.ref.digest
-        if rules:  # a cache hit, a staged copy, a converted image's size
-            digest = cached.ref.digest
+        digest = cached.ref.digest
+        # Read once, for the partition rules, access and mount trust.
+        needed = cfg.access or runtime.needs_mount
+        entry = cache.read_entry(digest) if rules or needed else None
+        if rules and entry:  # a cache hit, a staged copy, a converted image's size
             try:
-                converted = cache.read_entry(digest).blob is None
-                check_image(rules, partition, cached.ref, cached.size, converted)
+                check_image(rules, partition, cached.ref, cached.size, entry.blob is None)
             except PolicyError:
                 # The job will never run it: its hold would keep it from eviction.
                 cache.update_entry(digest, lambda e: e.without_holders({job_id}))
                 raise
-        # Where the cached bytes came from: read once, for access and mount trust.
-        needed = cfg.access or runtime.needs_mount
-        origin = cache.read_entry(cached.ref.digest).origin if needed else None
+        # Where the cached bytes came from.
+        origin = entry.origin if entry and needed else None
         if cfg.access:
             confirm = imageaccess.registry_confirms(cfg)
             imageaccess.check_origin(cfg, ref, cached.ref.digest, origin, uid, confirm)
