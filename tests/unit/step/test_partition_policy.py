@@ -133,3 +133,17 @@ def test_a_docker_name_and_an_oci_image_are_refused_where_conversion_is_off(
         f"partition prod runs SIF images only: {registry.host}/library/oci:1 is an OCI image"
         " (push it as a SIF)"
     )
+
+
+def test_a_hostile_asked_text_is_kept_to_one_bounded_line_for_the_jobs_steps(site: Site) -> None:
+    """--asked is the job's own text (any user can set a job's SPANK options through
+    Slurm's API): a forged log line and 100 kB in it stay one line of the failure the
+    steps read, and nothing is pulled."""
+    pinned = f"tiny:1.0@{site.digest}"
+    hostile = "tiny:1.0\n2026-12-06 00:00:00,000 tfimage-prolog: job 9: fine" + "A" * 100_000
+    said = _prod(site, "1", pinned, hostile)
+    assert said.startswith("partition prod requires a digest: --tf-image=tiny:1.0\n")
+    kept = JobImages(site.cfg, "1").failure(str(site.cfg.reference(pinned).unpinned)) or ""
+    assert kept.startswith("partition prod requires a digest: --tf-image=tiny:1.0")
+    assert "\n" not in kept and len(kept) <= 500
+    assert _cached(site.cfg) == []
