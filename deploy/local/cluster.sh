@@ -51,6 +51,8 @@ DAEMON_ARGS=()  # more arguments for `tfimage daemon` (cluster.sh daemon NODE AR
 
 # shellcheck source=deploy/local/proxy.sh
 . "$REPO/deploy/local/proxy.sh"
+# shellcheck source=deploy/local/accounting.sh
+. "$REPO/deploy/local/accounting.sh"
 
 # Run a Slurm or munge program of the selected flavor.
 in_root() { if [ -n "$ROOT" ]; then chroot "$ROOT" "$@"; else "$@"; fi; }
@@ -64,6 +66,7 @@ esac
 [ "$NODE_COUNT" -ge 2 ] && [ "$NODE_COUNT" -le 32 ] \
     || die "TFIMAGE_NODES must be a number of nodes from 2 to 32, not '$NODE_COUNT'"
 case "$STAGE_ON" in 0 | 1) ;; *) die "TFIMAGE_STAGE must be 0 or 1, not '$STAGE_ON'" ;; esac
+case "$ACCOUNTING_ON" in 0 | 1) ;; *) die "TFIMAGE_ACCOUNTING must be 0 or 1, not '$ACCOUNTING_ON'" ;; esac
 [ -z "$REGISTRY_RATE" ] || [[ $REGISTRY_RATE =~ ^[1-9][0-9]{0,5}[kmg]?bit$ ]] \
     || die "TFIMAGE_REGISTRY_RATE must be a rate like 200mbit, not '$REGISTRY_RATE'"
 NODES=()
@@ -146,6 +149,7 @@ down() {
     [ ! -f "$RUN/chroot.root" ] || login_run=$(cat "$RUN/chroot.root")/run/tfimage
     rm -f "$login_run/daemon.sock" "$login_run/pin.sock" "$login_run/resolve.sock" "$login_run/last-seen.json"
     stop_pid "$RUN/slurmctld.pid"
+    stop_accounting
     stop_proxy
     stop_pid "$RUN/registry.pid"
     stop_pid "$RUN/munged.pid"
@@ -425,6 +429,7 @@ PlugStackConfig=$ETC/plugstack.conf
 KillWait=5
 InactiveLimit=0
 MinJobAge=300
+$(slurm_conf_accounting)
 $nodes
 # debug: the first two nodes whatever TFIMAGE_NODES is, so that a -N2 job lands on n1
 # and n2 as the tests expect; all: every node (jobs on more, the fleet's benches).
@@ -673,6 +678,7 @@ start_slurm() {
     [ ! -d "$STATE/stage" ] || find "$STATE/stage" -mindepth 1 -delete
     mkdir -p "$STATE/ctld" "$ROOT/var/cache/tfimage" "$ROOT/run/tfimage" "$ROOT/var/log/tfimage" \
         "$ROOT/var/lib/prometheus/node-exporter"
+    start_accounting
     SLURM_CONF=$ETC/slurm.conf in_root slurmctld -i \
         || die "slurmctld did not start: $(tail -1 "$LOGS/slurmctld.log" 2>/dev/null)"
     for n in "${NODES[@]}"; do
@@ -800,7 +806,7 @@ up() {
 status() {
     local was
     mapfile -t was < <(up_nodes)
-    for f in munged registry proxy slurmctld daemon-login "${was[@]/#/slurmd-}"; do
+    for f in munged registry proxy mariadb slurmdbd slurmctld daemon-login "${was[@]/#/slurmd-}"; do
         if alive "$RUN/$f.pid"; then echo "$f: running"; else echo "$f: stopped"; fi
     done
 }
@@ -809,10 +815,18 @@ case "${1:-}" in
     up) up ;;
     down) down ;;
     status) status ;;
+    slurmdbd)  # stop|start the running cluster's slurmdbd (accounting.sh), as an
+        # outage of the accounting database's host would
+        [ ! -f "$RUN/chroot.root" ] || ROOT=$(cat "$RUN/chroot.root")
+        case "${2:-}" in
+            stop) stop_slurmdbd ;;
+            start) start_slurmdbd ;;
+            *) echo "usage: cluster.sh slurmdbd stop|start" >&2; exit 2 ;;
+        esac ;;
     daemon)  # (re)start one node's tfimage daemon, or the login node's, with any
         # further arguments for `tfimage daemon` (e.g. --trace FILE).
         # In the running cluster's tree, whatever SLURM_FLAVOR says now.
         [ ! -f "$RUN/chroot.root" ] || ROOT=$(cat "$RUN/chroot.root")
         if [ "${2:?node}" = login ]; then start_login_daemon "${@:3}"; else start_daemon "$2" "${@:3}"; fi ;;
-    *) echo "usage: cluster.sh up|down|status|daemon NODE|login [DAEMON ARGS...]" >&2; exit 2 ;;
+    *) echo "usage: cluster.sh up|down|status|daemon NODE|login [DAEMON ARGS...]|slurmdbd stop|start" >&2; exit 2 ;;
 esac

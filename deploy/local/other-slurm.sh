@@ -19,7 +19,7 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 # (bookworm's charliecloud -> charliecloud-builders -> buildah -> ... -> the virtual
 # container-network-stack stops a debootstrap of bookworm).  `charliecloud` itself,
 # not only its runtime: it is what the role installs on a compute node.
-PKGS="slurmd,slurmctld,slurm-client,munge,libslurm-dev,gcc,libc6-dev,make,python3,python3-venv,squashfuse,fuse3,iproute2,procps,util-linux,ca-certificates"
+PKGS="slurmd,slurmctld,slurmdbd,slurm-client,munge,libslurm-dev,gcc,libc6-dev,make,python3,python3-venv,squashfuse,fuse3,iproute2,procps,util-linux,ca-certificates"
 MORE="charliecloud skopeo umoci squashfs-tools siftool"
 KEY=$(printf '%s\n' 1 "$OTHER" "$PKGS" "$MORE" | sha256sum | cut -c1-12)
 ROOT=$CACHE/chroot-$OTHER-$KEY

@@ -6,6 +6,7 @@ set -euo pipefail
 . "$(dirname "$0")/err-trap.sh" packages
 PKGS=(
     munge slurmd slurmctld slurm-client libslurm-dev gcc make libc6-dev
+    slurmdbd mariadb-server  # accounting (accounting.sh): sacct, sshare, fair share
     docker-registry apache2-utils openssl curl ca-certificates
     charliecloud squashfuse fuse3 squashfs-tools siftool skopeo umoci
     debootstrap busybox-static iproute2 util-linux procps psmisc
