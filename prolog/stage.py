@@ -1,5 +1,7 @@
-"""PrologSlurmctld: for a multi-node ``--tf-image`` job, one pull on the controller and
-a broadcast down Slurm's tree to the nodes that lack the image (agent/stage/).
+"""PrologSlurmctld: for every ``--tf-image`` job, its pinned image into its
+AdminComment (``record_digest``: stage/admincomment.py); for a multi-node one, one
+pull on the controller and a broadcast down Slurm's tree to the nodes that lack the
+image (``stage``: agent/stage/).
 
 It runs on the controller while the job configures, before any node's prolog, as
 root: directly where Slurm's user is root, else through the controller's daemon
@@ -22,8 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tfimage.agent.core import wire
-from tfimage.agent.core.config import load_config
-from tfimage.agent.core.errors import TfimageError
+from tfimage.agent.core.config import Config, load_config
+from tfimage.agent.core.errors import TfimageError, cause
 from tfimage.agent.core.ids import valid_job_id
 from tfimage.agent.core.logtext import oneline
 from tfimage.agent.hooks.args import parse_hook_args
@@ -51,6 +53,10 @@ def _stage(argv: Sequence[str] | None, log: logging.Logger) -> int:
         log_to(LOG_FILE, NAME)
         raise
     log_to(Path(cfg.hook_log), NAME)
+    if cfg.record_digest:
+        _record(cfg, args.job_id, args.image, log)
+    if not cfg.stage or (Path(args.config).parent / wire.STAGE_OFF_SWITCH).exists():
+        return 0
     if os.geteuid() != 0:
         log.error(
             "job %s: stage: runs as uid %d, not root: the controller's daemon does not "
@@ -69,11 +75,25 @@ def _stage(argv: Sequence[str] | None, log: logging.Logger) -> int:
         cfg, args.job_id, args.image, args.nodes, owner,
         partition=args.partition, asked=args.image_asked,
     )  # fmt: skip
-    if outcome.held:
-        return 0  # a warm job: a line for each would say nothing new
+    if outcome.held or outcome.nodes == 1:
+        return 0  # a warm job or a one-node one: a line for each would say nothing new
     line = outcome.line(args.job_id, oneline(args.image, 200))
     (log.error if outcome.failed else log.info)("%s", line)
     return 0
+
+
+def _record(cfg: Config, job_id: str, image: str, log: logging.Logger) -> None:
+    """The digest into the job's AdminComment; a failure is one line, and the job
+    runs on (its usage record names the digest all the same)."""
+    from tfimage.agent.stage import admincomment
+
+    try:
+        ref = admincomment.pinned(cfg, image)
+        admincomment.record(job_id, ref, slurm_bin=cfg.gpu.slurm_bin)
+    except (TfimageError, OSError) as e:
+        log.error("job %s: AdminComment: %s; the job runs without it", job_id, cause(e))
+        return
+    log.info("job %s: AdminComment: %s", job_id, oneline(admincomment.word(ref), 300))
 
 
 def _owner(uid: str, gid: str) -> tuple[int, int] | None:

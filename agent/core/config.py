@@ -126,6 +126,11 @@ class Config:
     # Past it, or on any failure, each node pulls for itself.
     stage_dir: str = "/var/cache/tfimage-stage"
     stage_deadline: float = 300.0
+    # Whether PrologSlurmctld stages at all (the role's tfimage_stage), and whether
+    # it writes the job's pinned image into its AdminComment for sacct
+    # (stage/admincomment.py).
+    stage: bool = False
+    record_digest: bool = True
     # The GPU gate (gpuconfig.py documents every key).
     gpu: GpuPolicy = field(default_factory=GpuPolicy)
 
@@ -206,6 +211,7 @@ _FLOATS = {
     "cache_low_watermark",
     "cache_min_age",
 }
+_BOOLS = {"single_task_tf_config", "stage", "record_digest"}
 _INTS = {
     "pull_connections": (1, 16),
     "pull_stripe_bytes": (1 << 16, 1 << 28),
@@ -283,9 +289,9 @@ def _coerce(key: str, value: Any, path: Path) -> Any:
             # O_DIRECT writes whole aligned blocks (cache/download.py)
             raise ConfigError(f"{path}: 'pull_stripe_bytes' must be a multiple of 4096")
         return value
-    if key == "single_task_tf_config":
+    if key in _BOOLS:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path}: 'single_task_tf_config' must be true or false")
+            raise ConfigError(f"{path}: '{key}' must be true or false")
         return value
     if key in _TUPLES:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

@@ -293,6 +293,7 @@ def test_the_stage_socket_serves_slurms_user_the_stage_hook_alone(tmp_path: Path
     conf = f"registry: r.example\nstate_dir: {{run}}\ncache_dir: {tmp_path / 'cache'}\n"
     conf += f"usage_log: {tmp_path / 'usage.jsonl'}\nmetrics_dir: {tmp_path / 'metrics'}\n"
     conf += f"hook_log: {log}\nstage_dir: {tmp_path / 'stage'}\nslurm_user: slurm\n"
+    conf += "stage: true\nrecord_digest: false\n"
     with started_daemon(tmp_path, conf) as (run, cfg, _):
         sock = run / "stage.sock"
         st = sock.stat()
