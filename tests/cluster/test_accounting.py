@@ -7,10 +7,12 @@ the fair share."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import pwd
 import subprocess
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -145,3 +147,38 @@ def test_one_teams_usage_lowers_its_fair_share_and_its_next_jobs_priority(
         assert int(prio[jobs[0]]) < int(prio[jobs[1]]), prio
     finally:
         cluster.run(["scancel", *jobs], as_root=True)
+
+
+def test_the_usage_report_by_account_agrees_with_sacct(cluster: Cluster) -> None:
+    """The same window, counted twice: tfimage's usage records from every node, and
+    Slurm's own accounting (its --tf-image jobs: those with the tfimage= word)."""
+    since = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=1)
+    other = dataclasses.replace(cluster, user=cluster.env["TFIMAGE_TEST_USER2"])
+    out = ["-p", "dev", "-o", "/dev/null", "--tf-image=tiny:1.0"]
+    for who, script in ((cluster, "true"), (cluster, "exit 3"), (other, "true")):
+        r, job = who.sbatch_wait(_home(who), *out, "--wrap", script)
+        assert job, r.stderr
+    logs = [str(p) for p in sorted((cluster.state / "nodes").glob("*/log"))]
+    r = cluster.run(
+        ["tfimage", "usage", "report", *logs, "--by", "account", "--json",
+         "--since", since.isoformat()],
+        as_root=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    ours = {g["key"]: (g["jobs"], g["failures"]) for g in json.loads(r.stdout)["groups"]}
+    want = f"{since:%Y-%m-%dT%H:%M:%S}"
+    theirs: dict[str, tuple[int, int]] = {}
+    deadline = time.monotonic() + 60
+    while theirs != ours and time.monotonic() < deadline:
+        r = cluster.run(
+            ["sacct", "-a", "-X", "-n", "-P", "-S", want, "-o", "Account,State,AdminComment"],
+            as_root=True,
+        )
+        theirs = {}
+        for line in r.stdout.splitlines():
+            account, state, comment = line.split("|", 2)
+            if "tfimage=" in comment:
+                jobs, failed = theirs.get(account, (0, 0))
+                theirs[account] = (jobs + 1, failed + (state == "FAILED"))
+        time.sleep(0.5)
+    assert ours == theirs == {"team-a": (2, 1), "team-b": (1, 0)}, (ours, theirs)
