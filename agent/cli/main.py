@@ -344,6 +344,10 @@ def build_parser(daemon: Handler | None = None) -> argparse.ArgumentParser:
 
     register_usage(sub)
 
+    from tfimage.agent.cli.partitioncheck import register as register_partition_check
+
+    register_partition_check(sub)
+
     from tfimage.agent.cli.convertscript import register as register_convert
 
     register_convert(sub)

@@ -118,14 +118,11 @@ def record(
     shown = go([scontrol, "show", "job", job_id])
     existing = read(shown)
     if existing is None:
-        raise TfimageError(
-            f"job {job_id}'s comment has a line break; left as it is"
-        )
+        raise TfimageError(f"job {job_id}'s comment has a line break; left as it is")
     comment = merged(existing, ref)
     if len(comment) > MAX_COMMENT:
         raise TfimageError(
-            f"job {job_id}'s comment would pass {MAX_COMMENT} "
-            "characters; left as it is"
+            f"job {job_id}'s comment would pass {MAX_COMMENT} characters; left as it is"
         )
     if comment != existing:
         go([scontrol, "update", f"JobId={job_id}", f"AdminComment={comment}"])

@@ -368,7 +368,7 @@ write_site() {
     else
         gcc -shared -fPIC -O2 -o "$STATE/lib/site_hello.so" "$REPO/deploy/local/site/site_hello.c"
     fi
-    rm -rf "$ETC/plugstack.conf.d" "$ETC/prolog.d" "$ETC/epilog.d" "$ETC/logrotate.d"
+    rm -rf "$ETC/plugstack.conf.d" "$ETC/prolog.d" "$ETC/epilog.d" "$ETC/logrotate.d" "$ETC/cli_filter.lua"
     mkdir -p "$ETC/logrotate.d"
     cat >"$ETC/plugstack.conf" <<CONF
 # The site's plugstack.conf (local cluster stand-in)
@@ -587,6 +587,8 @@ tfimage_access: {"$TEAM/*": ["@$TEAM"]}
 tfimage_partitions:
   prod: {registries: ["$REGISTRY"], repositories: ["library/*", "$TEAM/*"], require_digest: true, allow_conversion: false}
   dev: {}
+# ...checked at submit too (cli_filter/lua: -p and #SBATCH -p, which SPANK never sees).
+tfimage_cli_filter: true
 tfimage_runtime: charliecloud
 tfimage_cache_dir: /var/cache/tfimage
 # The controller's one pull per multi-node job (TFIMAGE_STAGE=0: off), its staging

@@ -6,6 +6,7 @@ user's stderr, and its node is never drained."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -93,4 +94,50 @@ def test_prod_refuses_an_image_over_its_size_and_a_batch_job_says_why(
         )
     assert r.returncode != 0, out
     assert "partition prod runs images of at most 4.0 KiB: " in out, out
+    cluster.assert_never_drained("n1")
+
+
+def test_prod_refuses_a_tag_at_submit_in_one_line_and_queues_nothing(
+    cluster: Cluster, workdir: Path, tmp_path: Path
+) -> None:
+    """cli_filter/lua sees -p and #SBATCH -p, which the SPANK plugin never does."""
+    _fresh(cluster, tmp_path, "library/policy-submit")
+    before = cluster.job_ids()
+    rc, _, err = _srun(cluster, workdir, "prod", "policy-submit:1")
+    assert rc != 0
+    refusal = (
+        "tfimage: partition-check: partition prod requires a digest: "
+        "--tf-image=policy-submit:1@sha256:..."
+    )
+    assert err.splitlines()[0].startswith(refusal), err
+    assert "prolog" not in err, err  # stopped before any node saw it
+    script = workdir / "prod.sh"
+    script.write_text("#!/bin/sh\n#SBATCH -p prod --tf-image=policy-submit:1\ntrue\n")
+    r = cluster.run(["sbatch", str(script)], cwd=workdir)
+    assert r.returncode != 0 and r.stderr.splitlines()[0].startswith(refusal), r.stderr
+    assert cluster.job_ids() == before  # nothing queued
+    r = cluster.run(["sbatch", "--parsable", "-p", "dev", str(script)], cwd=workdir)
+    assert r.returncode == 0, r.stderr  # -p on the command line wins, and dev takes tags
+    cluster.assert_never_drained("n1")
+
+
+def test_the_prolog_refuses_what_reaches_prod_past_the_submit_check(
+    cluster: Cluster, workdir: Path, tmp_path: Path
+) -> None:
+    """A job moved to prod after submit (scontrol update, as its user may) never
+    passed the cli_filter: the node's prolog refuses it, and says why."""
+    _fresh(cluster, tmp_path, "library/policy-moved")
+    job = cluster.submit(
+        workdir, "--hold", "-p", "dev", "-w", "n1", "-o", "moved.out",
+        "--tf-image=policy-moved:1", "--wrap", "srun cat /etc/tfimage-test-image",
+    )  # fmt: skip
+    moved = cluster.run(["scontrol", "update", f"JobId={job}", "Partition=prod"], cwd=workdir)
+    assert moved.returncode == 0, moved.stderr
+    assert cluster.run(["scontrol", "release", job], cwd=workdir).returncode == 0
+    deadline = time.monotonic() + 120
+    while job in cluster.run(["squeue", "-h", "-o", "%i"], as_root=True).stdout.split():
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    out = (workdir / "moved.out").read_text()
+    assert "the prolog could not ready it on this node: partition prod requires a digest" in out
     cluster.assert_never_drained("n1")
