@@ -78,7 +78,7 @@ start_mariadb() {
         alive "$RUN/mariadb.pid" || break
         sleep 0.1
     done
-    tail -5 "$LOGS/mariadb/mariadb.log" >&2 || true
+    tail -n 5 "$LOGS/mariadb/mariadb.log" >&2 || true
     die "MariaDB did not come up on 127.0.0.1:$DB_PORT"
 }
 
@@ -119,7 +119,7 @@ start_slurmdbd() {
         alive "$RUN/slurmdbd.pid" || break
         sleep 0.1
     done
-    tail -5 "$LOGS/slurmdbd.out" "$LOGS/slurmdbd.log" >&2 || true
+    tail -n 5 "$LOGS/slurmdbd.out" "$LOGS/slurmdbd.log" >&2 || true
     die "slurmdbd did not come up on $CTL_ADDR:$DBD_PORT"
 }
 
@@ -129,7 +129,12 @@ start_accounting() {
     start_mariadb
     write_slurmdbd_conf
     pw=$(cat "$STATE/pki/db.password")
+    # The database made here, not by slurmdbd: Slurm 24.11.5's slurmdbd that creates
+    # it itself fails its next query against Debian 13's MariaDB 11.8 ("5027 Number
+    # of columns in result (=1) set exceeds maximum allowed number of columns (=0)",
+    # then fatal in _check_mysql_concat_is_sane); with it there, it starts.
     db_sql "DROP DATABASE IF EXISTS $DB_NAME;
+        CREATE DATABASE $DB_NAME;
         CREATE USER IF NOT EXISTS '$DB_USER'@'127.0.0.1' IDENTIFIED BY '$pw';
         ALTER USER '$DB_USER'@'127.0.0.1' IDENTIFIED BY '$pw';
         GRANT ALL ON $DB_NAME.* TO '$DB_USER'@'127.0.0.1';" \

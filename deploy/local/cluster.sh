@@ -728,7 +728,7 @@ exec slurmd -D -N $n"
             sleep 0.1
         done
         alive "$RUN/slurmd-$n.pid" || {
-            tail -5 "$LOGS/slurmd-$n.out" "$LOGS/slurmd-$n.log" >&2
+            tail -n 5 "$LOGS/slurmd-$n.out" "$LOGS/slurmd-$n.log" >&2
             die "slurmd $n did not start"
         }
         local ns

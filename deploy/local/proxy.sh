@@ -33,7 +33,7 @@ start_proxy() {
         [ "$code" = 401 ] && return 0
         sleep 0.1
     done
-    tail -5 "$LOGS/proxy.log" "$d/error.log" >&2 || true
+    tail -n 5 "$LOGS/proxy.log" "$d/error.log" >&2 || true
     die "the registry's proxy did not come up on $REGISTRY"
 }
 
