@@ -60,7 +60,9 @@ def _stage_log(cluster: Cluster, job: str, image: Image) -> list[str]:
     path = Path(cluster.chroot or "/") / "var/log/tfimage/hooks.log"
     lines = path.read_text().splitlines() if path.exists() else []
     return [
-        x for x in lines if "tfimage-stage:" in x and f" job {job}: " in x and image.marker in x
+        x
+        for x in lines
+        if "tfimage-stage:" in x and f" job {job}: stage: " in x and image.marker in x
     ]
 
 
