@@ -22,7 +22,7 @@ import json
 import re
 
 from tfimage.agent.core.config import Config, load_config
-from tfimage.agent.core.errors import InputError
+from tfimage.agent.core.errors import InputError, TfimageError
 from tfimage.agent.core.partition import check_name, rules_for
 from tfimage.agent.core.toolrun import run, slurm_env, slurm_tool
 
@@ -55,19 +55,23 @@ def default_partition(slurm_bin: str = "") -> str:
 
 def check(cfg: Config, image: str, partition_text: str) -> list[str]:
     """The partitions checked (none: no rule applies); PolicyError (exit 2, one
-    line: dispatch prints it) for a refusal."""
+    line: dispatch prints it) for a refusal.  A reference that does not parse, or
+    one the rest of the config refuses, passes here: the SPANK plugin's own check at
+    submit, which runs next, says what is wrong with it, once."""
     if not cfg.partitions or not image:
         return []
     names = partitions(partition_text) or [default_partition(cfg.gpu.slurm_bin)]
-    ref = cfg.reference(image)
-    checked = []
-    for name in names:
-        if not name:
-            continue
-        rules = rules_for(cfg.partitions, name)
+    ruled = [(n, rules_for(cfg.partitions, n)) for n in names if n]
+    ruled = [(n, rules) for n, rules in ruled if rules]
+    if not ruled:
+        return []
+    try:
+        ref = cfg.reference(image)
+    except TfimageError:
+        return []
+    for name, rules in ruled:
         check_name(rules, name, ref, image)
-        checked.append(name)
-    return checked
+    return [n for n, _ in ruled]
 
 
 def cmd_partition_check(args: argparse.Namespace) -> int:

@@ -107,3 +107,16 @@ def test_a_refusal_is_one_tfimage_line_and_exit_2(tmp_path: Path) -> None:
     ok = _cli(config, "--partition=dev", "--json", "--", "tiny:1.0")
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout) == {"image": "tiny:1.0", "allowed": True, "partitions": ["dev"]}
+
+
+@pytest.mark.parametrize("image", ["Bad Ref", "tiny@sha256:xyz", "evil.example/x/y:1", "./tf.sif"])
+def test_a_reference_the_plugin_refuses_passes_here_for_the_plugin_to_say_why(
+    tmp_path: Path, image: str
+) -> None:
+    cfg = load_config(_site(tmp_path, partitions=RULES))
+    assert check(cfg, image, "prod") == []
+
+
+def test_a_partition_without_a_rule_is_not_checked(tmp_path: Path) -> None:
+    cfg = load_config(_site(tmp_path, partitions=RULES))
+    assert check(cfg, "tiny:1.0", "debug") == []
