@@ -94,6 +94,7 @@ def _cleanup(
         ("removing what was staged for it", lambda: discard_staged_of_job(cfg, job_id)),
         ("unmounting images no job uses", lambda: stuck.extend(_unused(cfg))),
         ("dropping its GPU baseline", lambda: drop_baseline(cfg.state_dir, job_id)),
+        ("forgetting its default image", lambda: _forget_default(cfg, job_id)),
         ("recording its usage", lambda: _record(cfg, slurm, facts, after)),
     )
     for part, run in parts:
@@ -104,6 +105,11 @@ def _cleanup(
     for target in stuck:
         log.error("job %s: %s was busy; detached it lazily", job_id, target)
     return fault[0] if fault else None
+
+
+def _forget_default(cfg: Config, job_id: str) -> None:
+    """The partition's default image the prolog readied for it (prolog/main.py)."""
+    layout.job_default_image(cfg.state_dir, job_id).unlink(missing_ok=True)
 
 
 def discard_staged_of_job(cfg: Config, job_id: str) -> None:

@@ -22,11 +22,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tfimage.agent.cache.store import STAGED_SOURCE as STAGED
+from tfimage.agent.core import layout
 from tfimage.agent.core.config import Config, load_config
 from tfimage.agent.core.deadline import deadline
-from tfimage.agent.core.errors import InputError, NodeFault, TfimageError, cause
+from tfimage.agent.core.errors import InputError, NodeFault, PolicyError, TfimageError, cause
+from tfimage.agent.core.fsutil import write_atomic
 from tfimage.agent.core.ids import valid_job_id
 from tfimage.agent.core.logtext import oneline
+from tfimage.agent.core.partition import default_image, rules_for
 from tfimage.agent.gpu.alloc import parse_gpus
 from tfimage.agent.gpu.drain import check_node
 from tfimage.agent.gpu.gate import health, prolog_gate
@@ -46,7 +49,7 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
     args = parse_hook_args("tfimage-prolog", __doc__, argv)
     image = args.image
     job_id = args.job_id
-    if not image and not args.gpus:
+    if not image and not args.gpus and not args.partition:
         return 0  # neither a tfimage job nor a GPU job: nothing to do
     if not valid_job_id(job_id):
         log.error("no valid SLURM_JOB_ID (%s); skipping", oneline(repr(job_id), 40))
@@ -57,6 +60,12 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
         log_to(LOG_FILE, "prolog")  # no config to name another
         raise
     log_to(Path(cfg.hook_log), "prolog")
+    asked = args.image_asked
+    if not image and cfg.partitions:
+        image = _default(cfg, job_id, args.partition, log)
+        asked = image
+    if not image and not args.gpus:
+        return 0
     note = _Facts(cfg, job_id, log)
     if image:  # first, so that a prolog killed halfway still leaves the job's start
         note(prolog_start=started, runtime=cfg.runtime)
@@ -71,7 +80,7 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
         with deadline(cfg.hook_deadline, "prolog"):
             uid = int(args.uid) if args.uid.isdigit() and len(args.uid) < 11 else None
             got = prepare_job(
-                cfg, job_id, image, uid=uid, partition=args.partition, asked=args.image_asked
+                cfg, job_id, image, uid=uid, partition=args.partition, asked=asked
             )
         note(
             image=str(got.ref),
@@ -98,6 +107,24 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
         log.error("job %s: image %s: %s", job_id, oneline(image), cause(e))
         note(image_error=cause(e), repository=_repository(cfg, image))
     return 0
+
+
+def _default(cfg: Config, job_id: str, partition: str, log: logging.Logger) -> str:
+    """The partition's default image for a job that named none (core/partition.py),
+    written where the job's steps look for it (layout.job_default_image) before it is
+    readied: a step of a job whose default failed fails with the prolog's reason,
+    never runs on the host instead.  "" for none."""
+    try:
+        image = default_image(rules_for(cfg.partitions, partition), partition)
+    except PolicyError as e:
+        log.error("job %s: no default image: %s", job_id, cause(e))
+        return ""
+    if image:
+        path = layout.job_default_image(cfg.state_dir, job_id)
+        path.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
+        write_atomic(path, (image + "\n").encode(), mode=0o644)
+        log.info("job %s: no --tf-image; partition %s's default %s", job_id, partition, image)
+    return image
 
 
 class _Facts:

@@ -1,5 +1,5 @@
 /* plugstack.conf arguments: helper=PATH config=PATH daemon=SOCKET pin_socket=SOCKET
- * submit_timeout=S prepare_timeout=S (wire.PLUGSTACK_KEYS); the defaults are
+ * submit_timeout=S prepare_timeout=S state_dir=PATH (wire.PLUGSTACK_KEYS); the defaults are
  * wire.h's, which are agent/core/wire.py's, which the config's are too. */
 #include <errno.h>
 #include <stdlib.h>
@@ -41,6 +41,7 @@ int tfi_parse_args(int ac, char **av)
 	tfi_conf.prepare_timeout = TFI_DEFAULT_HOOK_DEADLINE + TFI_HOOK_GRACE;
 	tfi_conf.daemon[0] = '\0';
 	tfi_conf.pin_socket[0] = '\0';
+	tfi_conf.state_dir[0] = '\0';
 
 	for (int i = 0; i < ac; i++) {
 		const char *a = av[i];
@@ -58,6 +59,8 @@ int tfi_parse_args(int ac, char **av)
 			rc = set_secs(&tfi_conf.submit_timeout, a + 15, "submit_timeout");
 		else if (strncmp(a, "prepare_timeout=", 16) == 0)
 			rc = set_secs(&tfi_conf.prepare_timeout, a + 16, "prepare_timeout");
+		else if (strncmp(a, "state_dir=", 10) == 0)
+			rc = set_path(tfi_conf.state_dir, a + 10, "state_dir");
 		else {
 			slurm_error("tfimage: plugstack: unknown argument '%s'", a);
 			rc = -1;

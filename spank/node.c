@@ -4,11 +4,13 @@
  * task's command: spank_prepend_task_argv on Slurm >= 23.11, exec on older. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <slurm/slurm.h>
@@ -218,6 +220,48 @@ static void copy_path(char *dst, const char *src)
 		strcpy(dst, src);
 	else
 		dst[0] = '\0';
+}
+
+/* A job that named no image, in a partition with a default one: the prolog left
+ * the image's name in state_dir/jobs/<job>.default-image (layout.job_default_image),
+ * root's, before it readied it.  Read as root, never through a link; anything but a
+ * small root-owned file of printable text is not one.  1 when the job has one. */
+int tfi_node_default_image(spank_t sp)
+{
+	uint32_t job_id = 0;
+	char path[TFI_MAX_PATH + 48], buf[TFI_MAX_REF + 2];
+	struct stat st;
+	ssize_t n;
+	int fd;
+
+	if (!tfi_conf.state_dir[0] || spank_get_item(sp, S_JOB_ID, &job_id) != ESPANK_SUCCESS)
+		return 0;
+	if (snprintf(path, sizeof(path), "%s/jobs/%u.default-image", tfi_conf.state_dir,
+		     job_id) >= (int)sizeof(path))
+		return 0;
+	fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+	if (fd < 0)
+		return 0;
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != 0 ||
+	    st.st_size > (off_t)sizeof(buf) - 1) {
+		close(fd);
+		return 0;
+	}
+	n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return 0;
+	buf[n] = '\0';
+	if (buf[n - 1] == '\n')
+		buf[--n] = '\0';
+	if (n == 0 || n > TFI_MAX_REF)
+		return 0;
+	for (ssize_t i = 0; i < n; i++)
+		if ((unsigned char)buf[i] <= ' ' || buf[i] == 0x7f)
+			return 0;
+	strcpy(tfi_state.image, buf);
+	tfi_state.image_set = 1;
+	return 1;
 }
 
 int tfi_node_init_post_opt(spank_t sp)

@@ -134,7 +134,8 @@ int slurm_spank_init_post_opt(spank_t sp, int ac, char **av)
 {
 	(void)ac;
 	(void)av;
-	if (!tfi_state.image_set) {
+	if (!tfi_state.image_set &&
+	    !(spank_context() == S_CTX_REMOTE && tfi_node_default_image(sp))) {
 		warn_unused();
 		return 0; /* a job without --tf-image sees no change at all */
 	}

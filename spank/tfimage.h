@@ -32,6 +32,8 @@ struct tfi_conf {
 	int prepare_timeout;         /* seconds for the node-side prepare */
 	char daemon[TFI_MAX_PATH];   /* tfimage daemon's socket ("" = always exec) */
 	char pin_socket[TFI_MAX_PATH]; /* its pin server for users ("" = always exec) */
+	char state_dir[TFI_MAX_PATH]; /* where the prolog leaves a job's default image
+				       * ("" = a job without --tf-image runs on the host) */
 };
 
 struct tfi_state {
@@ -93,6 +95,7 @@ const char *tfi_strip_prefix(const char *msg);
 
 /* node.c */
 int tfi_node_init_post_opt(spank_t sp);
+int tfi_node_default_image(spank_t sp);
 int tfi_node_task_init_privileged(spank_t sp);
 int tfi_node_task_init(spank_t sp);
 void tfi_node_exit(spank_t sp);

@@ -17,7 +17,7 @@ from typing import Any
 
 from tfimage.agent.core import wire
 from tfimage.agent.core.access import Rule, access_rules, segment_glob
-from tfimage.agent.core.errors import ConfigError, ImageReferenceError
+from tfimage.agent.core.errors import ConfigError, ImageReferenceError, TfimageError
 from tfimage.agent.core.gpuconfig import GpuPolicy, gpu_policy, unknown_settings
 from tfimage.agent.core.partition import PartitionRule, partition_rules
 from tfimage.agent.core.reference import (
@@ -337,6 +337,14 @@ def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Conf
         value = getattr(cfg, key)
         if value is None or (value and not value.startswith("/")):
             raise ConfigError(f"{path}: '{key}' must be an absolute path, or \"\" for none")
+    for rule in cfg.partitions:
+        if rule.default_image:
+            try:
+                cfg.reference(rule.default_image)
+            except TfimageError as e:
+                raise ConfigError(
+                    f"{path}: 'partitions': {rule.glob!r}: 'default_image': {e}"
+                ) from None
     return cfg
 
 

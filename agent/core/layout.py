@@ -15,6 +15,8 @@ Under ``state_dir`` (root-owned, 0755; ``/run/tfimage`` by default: gone at boot
         <job>.images.json       the job's images on this node (step/jobimages.py);
                                 its existence says the job is live here
         <job>.lock              serialises the job's mounts
+        <job>.default-image     the partition's default image the prolog readied for
+                                a job that named none (0644; the plugin's steps read it)
         <job>/                  0711
             img-<hex12>/        an image mounted for this job alone
             step-<step>/        skel/ and root/ (the step's overlay)
@@ -130,6 +132,10 @@ def job_dir(state_dir: StrPath, job_id: str) -> Path:
 
 def job_images(state_dir: StrPath, job_id: str) -> Path:
     return jobs_dir(state_dir) / f"{_job(job_id)}.images.json"
+
+
+def job_default_image(state_dir: StrPath, job_id: str) -> Path:
+    return jobs_dir(state_dir) / f"{_job(job_id)}.default-image"
 
 
 def job_lock(state_dir: StrPath, job_id: str) -> Path:

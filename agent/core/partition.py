@@ -8,6 +8,8 @@
         allow_conversion: false              # no docker:// or other OCI image
         max_image_bytes: 20GiB               # the largest SIF (bytes, or K/M/G/TiB)
       dev: {}                                # any image the site allows
+      train:
+        default_image: tf-custom:2.0         # a job here without --tf-image runs in it
 
 Every key that matches the partition Slurm runs the job in applies (the prolog's
 ``SLURM_JOB_PARTITION``, which slurmd sets; nothing the job says picks one), as
@@ -19,6 +21,12 @@ digest, a ``docker://`` name) come before anything is pulled; the SIF's size (th
 manifest's) and whether it is an OCI image, before a download or a conversion, and
 again for an image already cached.  A refusal is a :class:`PolicyError` that names
 the partition and the rule.
+
+``default_image`` (off unless set) is the image a job that names none runs in: the
+node's prolog readies it as if the job had asked (the other rules judge it as
+written, so a partition that requires a digest needs a pinned default), and tells
+the job's steps (layout.job_default_image).  Several matching keys that name
+different defaults give none, and the prolog says why.
 """
 
 from __future__ import annotations
@@ -41,7 +49,15 @@ _UNITS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
 MAX_RULES = 256
 MAX_GLOBS = 256
 MAX_BYTES = 1 << 50  # a PiB: anything larger is a typo
-KEYS = ("registries", "repositories", "require_digest", "allow_conversion", "max_image_bytes")
+KEYS = (
+    "registries",
+    "repositories",
+    "require_digest",
+    "allow_conversion",
+    "max_image_bytes",
+    "default_image",
+)
+MAX_DEFAULT = 512  # as long as a --tf-image reference may be (spank/tfimage.h)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +68,7 @@ class PartitionRule:
     require_digest: bool = False
     allow_conversion: bool = True
     max_image_bytes: int | None = None
+    default_image: str = ""
 
     def matches(self, partition: str) -> bool:
         return segment_glob(self.glob).match(partition) is not None
@@ -86,7 +103,21 @@ def _rule(glob: Any, body: Any, path: Path) -> PartitionRule:
         allow_conversion=_flag(body, "allow_conversion", where, True),
         max_image_bytes=None if body.get("max_image_bytes") is None
         else parse_size(body["max_image_bytes"], f"{where}: 'max_image_bytes'"),
+        default_image=_default_image(body, where),
     )  # fmt: skip
+
+
+def _default_image(body: dict[Any, Any], where: str) -> str:
+    """Its text, bounded and printable; Config.reference checks it as a reference."""
+    value = body.get("default_image", "")
+    if (
+        not isinstance(value, str)
+        or len(value) > MAX_DEFAULT
+        or not value.isprintable()
+        or " " in value
+    ):
+        raise ConfigError(f"{where}: 'default_image' must be an image reference, e.g. tiny:1.0")
+    return value
 
 
 def _strings(
@@ -128,6 +159,18 @@ def parse_size(value: Any, where: str) -> int:
     if not 0 < size <= MAX_BYTES:
         raise ConfigError(f"{where} must be from 1 byte to 1 PiB")
     return size
+
+
+def default_image(rules: tuple[PartitionRule, ...], partition: str) -> str:
+    """The image a job of ``partition`` that names none runs in ("" for none); a
+    PolicyError when its matching keys name different ones."""
+    found = sorted({r.default_image for r in rules if r.default_image})
+    if len(found) > 1:
+        raise PolicyError(
+            f"partition {partition} has {len(found)} default images ({', '.join(found)}): "
+            "its partitions: keys must agree on one"
+        )
+    return found[0] if found else ""
 
 
 def rules_for(rules: tuple[PartitionRule, ...], partition: str) -> tuple[PartitionRule, ...]:

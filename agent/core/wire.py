@@ -134,7 +134,15 @@ OFF_SWITCH = "submit.off"
 # slurmctld restarted to drop the PrologSlurmctld line.
 STAGE_OFF_SWITCH = "stage.off"
 
-PLUGSTACK_KEYS = ("helper", "config", "daemon", "pin_socket", "submit_timeout", "prepare_timeout")
+PLUGSTACK_KEYS = (
+    "helper",
+    "config",
+    "daemon",
+    "pin_socket",
+    "submit_timeout",
+    "prepare_timeout",
+    "state_dir",
+)
 
 
 @dataclass(frozen=True)

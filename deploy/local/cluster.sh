@@ -439,6 +439,8 @@ PartitionName=all Nodes=$(IFS=,; echo "${NODES[*]}") MaxTime=INFINITE State=UP O
 # images each runs.
 PartitionName=prod Nodes=${NODES[0]},${NODES[1]} MaxTime=INFINITE State=UP OverSubscribe=YES Priority=1000
 PartitionName=dev Nodes=${NODES[0]},${NODES[1]} MaxTime=12:00:00 State=UP OverSubscribe=YES Priority=100
+# A job here that names no --tf-image runs in tiny:1.0 (tfimage_partitions' default_image).
+PartitionName=train Nodes=${NODES[0]},${NODES[1]} MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
     chmod 0644 "$ETC/slurm.conf"
     # A job's cgroup may open only its own GPUs' device files (gres.conf's File=), as
@@ -587,6 +589,7 @@ tfimage_access: {"$TEAM/*": ["@$TEAM"]}
 tfimage_partitions:
   prod: {registries: ["$REGISTRY"], repositories: ["library/*", "$TEAM/*"], require_digest: true, allow_conversion: false}
   dev: {}
+  train: {default_image: "tiny:1.0"}
 # ...checked at submit too (cli_filter/lua: -p and #SBATCH -p, which SPANK never sees).
 tfimage_cli_filter: true
 tfimage_runtime: charliecloud

@@ -141,3 +141,26 @@ def test_the_prolog_refuses_what_reaches_prod_past_the_submit_check(
     out = (workdir / "moved.out").read_text()
     assert "the prolog could not ready it on this node: partition prod requires a digest" in out
     cluster.assert_never_drained("n1")
+
+
+def test_a_job_without_tf_image_in_a_partition_with_a_default_runs_inside_it(
+    cluster: Cluster, workdir: Path
+) -> None:
+    """The local cluster's train partition defaults to tiny:1.0: an srun step and a
+    one-task batch script run in it; --tf-image still chooses; dev has no default."""
+    r = cluster.run(["srun", "-p", "train", "-w", "n1", "cat", MARKER], cwd=workdir)
+    assert (r.returncode, r.stdout) == (0, "tiny:1.0\n"), r.stderr
+    r, out = cluster.sbatch(
+        workdir, "train.sh", f"#!/bin/sh\n#SBATCH -p train -w n2 -o train.out\ncat {MARKER}\n",
+        "train.out",
+    )  # fmt: skip
+    assert (r.returncode, out) == (0, "tiny:1.0\n"), out
+    r = cluster.run(
+        ["srun", "-p", "train", "-w", "n1", "--tf-image=team-a/tiny:1.0", "cat", MARKER],
+        cwd=workdir,
+    )
+    assert (r.returncode, r.stdout) == (0, "team-a/tiny:1.0\n"), r.stderr
+    r = cluster.run(["srun", "-p", "dev", "-w", "n1", "cat", MARKER], cwd=workdir)
+    assert r.returncode != 0 and "No such file" in r.stderr, r.stderr  # the host's /etc
+    cluster.assert_never_drained("n1")
+    cluster.assert_never_drained("n2")

@@ -16,6 +16,7 @@ from tfimage.agent.core.partition import (
     PartitionRule,
     check_image,
     check_name,
+    default_image,
     parse_size,
     partition_rules,
     rules_for,
@@ -84,6 +85,11 @@ def test_every_matching_key_applies_in_any_order_and_no_key_means_none() -> None
         ({"prod": {"max_image_bytes": 0}}, "'max_image_bytes' must be from 1 byte to 1 PiB"),
         ({"prod": {"max_image_bytes": True}}, "'max_image_bytes' must be a size"),
         ({"prod": {"max_image_bytes": "2048T"}}, "must be from 1 byte to 1 PiB"),
+        ({"train": {"default_image": 7}}, "'default_image' must be an image reference"),
+        ({"train": {"default_image": "tiny:1 x"}}, "'default_image' must be an image reference"),
+        ({"train": {"default_image": "tiny:\x01"}}, "'default_image' must be an image reference"),
+        ({"train": {"default_image": "x" * 513}}, "'default_image' must be an image reference"),
+        ({"train": {"default_image": "Tiny:1"}}, "'train': 'default_image': "),
     ],
 )
 def test_a_bad_rule_is_one_line_naming_it(value: object, says: str) -> None:
@@ -157,3 +163,25 @@ def test_an_empty_rule_runs_anything() -> None:
     ref = _ref(f"docker://other.site/team-b/x:1@{DIGEST}")
     check_name((rule,), "dev", ref, "docker://other.site/team-b/x:1")
     check_image((rule,), "dev", ref, 1 << 45, converted=True)
+
+
+def test_a_partition_with_a_default_image_names_it_and_one_without_names_none() -> None:
+    cfg = config_from_mapping(
+        {"registry": REG, "partitions": {"train": {"default_image": "tiny:1.0"}, "dev": {}}}, P
+    )
+    assert default_image(rules_for(cfg.partitions, "train"), "train") == "tiny:1.0"
+    assert default_image(rules_for(cfg.partitions, "dev"), "dev") == ""
+    assert default_image(rules_for(cfg.partitions, "debug"), "debug") == ""
+
+
+def test_keys_that_name_different_defaults_give_none_and_say_why() -> None:
+    rules = partition_rules(
+        {"gpu-*": {"default_image": "tiny:1.0"}, "gpu-a100": {"default_image": "big:2"}}, P
+    )
+    with pytest.raises(PolicyError, match="partition gpu-a100 has 2 default images"):
+        default_image(rules_for(rules, "gpu-a100"), "gpu-a100")
+    assert default_image(rules_for(rules, "gpu-v100"), "gpu-v100") == "tiny:1.0"
+    same = partition_rules(
+        {"gpu-*": {"default_image": "a:1"}, "gpu-x": {"default_image": "a:1"}}, P
+    )
+    assert default_image(rules_for(same, "gpu-x"), "gpu-x") == "a:1"

@@ -26,7 +26,13 @@ TEMPLATE = {
 MULTI_NODE = {"SLURM_JOB_NUM_NODES": "2"}
 
 
-def _script(tmp_path: Path, prog: str, chained: str = "", config_dir: str = "/etc/tfimage") -> Path:
+def _script(
+    tmp_path: Path,
+    prog: str,
+    chained: str = "",
+    config_dir: str = "/etc/tfimage",
+    partitions: dict[str, object] | None = None,
+) -> Path:
     jinja2 = pytest.importorskip("jinja2", reason="jinja2 comes with ansible-core (make lint)")
     pytest.importorskip("ansible", reason="the role's bool filter is ansible-core's (make venv)")
     defaults = yaml.safe_load((ROLE / "defaults/main.yml").read_text())
@@ -44,6 +50,7 @@ def _script(tmp_path: Path, prog: str, chained: str = "", config_dir: str = "/et
             "tfimage_config_dir": config_dir,
             "tfimage_state_dir": "/run/tfimage",
             "tfimage_stage_chained": chained,
+            "tfimage_partitions": partitions or {},
         }
     )
     hook = tmp_path / "tfimage-hook"
@@ -215,3 +222,24 @@ def test_a_chained_site_program_runs_first_and_its_failure_is_kept(tmp_path: Pat
     assert ok.stdout.split(b"\0")[2].endswith(b"tfimage-stage")  # then tfimage's
     failed = _run(script, {**env, "SITE_EXIT": "3"})
     assert (failed.returncode, failed.stdout) == (3, b"")
+
+
+@pytest.mark.parametrize(
+    ("environ", "asked"),
+    [
+        ({"SLURM_JOB_PARTITION": "train"}, True),
+        ({"SLURM_JOB_PARTITION": "train-big"}, True),
+        ({"SLURM_JOB_PARTITION": "dev"}, False),
+        ({}, False),
+        ({"SLURM_JOB_PARTITION": "dev", wire.PROLOG_IMAGE_VAR: "tiny:1.0"}, True),
+    ],
+    ids=["default", "default-by-glob", "no-default", "no-partition", "image-anyway"],
+)
+def test_the_prolog_runs_for_a_job_without_an_image_where_its_partition_has_a_default(
+    tmp_path: Path, environ: dict[str, str], asked: bool
+) -> None:
+    rules = {"train": {"default_image": "tiny:1.0"}, "train-*": {"default_image": "x:1"}, "dev": {}}
+    env = {"SLURM_JOB_GPUS": "", **environ}
+    done = _run(_script(tmp_path, "tfimage-prolog", partitions=rules), env)
+    assert done.returncode == 0, done.stderr
+    assert bool(done.stdout) == asked, done.stdout

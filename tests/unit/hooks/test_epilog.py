@@ -165,3 +165,27 @@ def test_two_epilogs_at_once_record_the_job_once(tmp_path: Path) -> None:
     procs = [subprocess.Popen(argv) for _ in range(2)]
     assert [p.wait(60) for p in procs] == [0, 0]
     assert len(_records(tmp_path)) == 1 and _job_traces(tmp_path, "35") == []
+
+
+def test_a_job_without_an_image_in_a_partition_with_a_default_runs_it_and_leaves_nothing(
+    registry: Registry, cached_image: str, tmp_path: Path
+) -> None:
+    """The prolog readies the partition's default and leaves its name where the
+    plugin's steps look (layout.job_default_image); the epilog records the job as
+    any --tf-image job and removes every trace."""
+    rules = '{"train": {"default_image": "usagey:1"}, "dev": {}}'
+    cfg = registry.write_site(tmp_path, hook_log=str(tmp_path / "hooks.log"), partitions=rules)
+    assert prolog([f"--config={cfg}", "--job=41", "--partition=train"]) == 0
+    default = tmp_path / "state" / "jobs" / "41.default-image"
+    assert default.read_text() == "usagey:1\n"
+    st = default.stat()
+    assert (st.st_uid, st.st_mode & 0o777) == (0, 0o644)
+    images = json.loads((tmp_path / "state" / "jobs" / "41.images.json").read_text())
+    assert images["pinned"] == {f"{registry.host}/library/usagey:1": cached_image}, images
+    assert prolog([f"--config={cfg}", "--job=42", "--partition=dev"]) == 0  # no default
+    assert not (tmp_path / "state" / "jobs" / "42.default-image").exists()
+    args = [f"--config={cfg}", "--job=41", "--exit=0:0", *SLURM]
+    assert epilog(args) == 0
+    assert _job_traces(tmp_path, "41") == []
+    (rec,) = _records(tmp_path)
+    assert rec["image"] == cached_image and rec["repository"] == "library/usagey"

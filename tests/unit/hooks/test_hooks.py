@@ -242,10 +242,11 @@ def test_each_part_of_the_epilog_fails_alone_with_one_line_and_exit_0(tmp_path: 
     (tmp_path / "cache" / "locks").write_text("a file where a directory is expected")
     assert epilog([f"--config={cfg}", "--job=7"]) == 0
     lines = _log(tmp_path)
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     assert "job 7: cleanup: unmounting: NotADirectoryError" in lines[0]
     assert "job 7: cleanup: releasing its images: NotADirectoryError" in lines[1]
     assert "job 7: cleanup: dropping its GPU baseline: NotADirectoryError" in lines[2]
+    assert "job 7: cleanup: forgetting its default image: NotADirectoryError" in lines[3]
 
 
 def test_a_hostile_token_with_a_line_break_is_one_line_and_exit_0(
