@@ -143,10 +143,19 @@ def test_one_teams_usage_lowers_its_fair_share_and_its_next_jobs_priority_in_spr
     wait = ["-p", "dev", "-w", "n1", "--exclusive", "-o", "/dev/null", "--wrap", "true"]
     jobs = [cluster.submit(_home(cluster), *wait), other.submit(_home(other), *wait)]
     try:
-        r = cluster.run(["sprio", "-h", "-j", ",".join(jobs), "-o", "%i %F %Y"], as_root=True)
-        assert r.returncode == 0, r.stderr
-        prio = {f[0]: (float(f[1]), int(f[2])) for f in map(str.split, r.stdout.splitlines())}
-        assert set(prio) == set(jobs), r.stdout
+        # sprio lists a job once the scheduler has looked at it (24.11 answers "Invalid
+        # job id" for one just submitted).
+        deadline = time.monotonic() + 30
+        while True:
+            r = cluster.run(["sprio", "-h", "-j", ",".join(jobs), "-o", "%i %F %Y"], as_root=True)
+            listed = [f for f in map(str.split, r.stdout.splitlines()) if len(f) == 3]
+            if (r.returncode == 0 and len(listed) == 2) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        queue = cluster.run(["squeue", "-h", "-o", "%i %T %r", "-j", ",".join(jobs)], as_root=True)
+        assert r.returncode == 0, (r.stderr, queue.stdout)
+        prio = {f[0]: (float(f[1]), int(f[2])) for f in listed}
+        assert set(prio) == set(jobs), (r.stdout, queue.stdout)
         assert prio[jobs[0]][0] < prio[jobs[1]][0], prio  # fair share, weighted
         assert prio[jobs[0]][1] < prio[jobs[1]][1], prio  # and so the priority
     finally:
