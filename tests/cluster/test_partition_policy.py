@@ -164,3 +164,22 @@ def test_a_job_without_tf_image_in_a_partition_with_a_default_runs_inside_it(
     assert r.returncode != 0 and "No such file" in r.stderr, r.stderr  # the host's /etc
     cluster.assert_never_drained("n1")
     cluster.assert_never_drained("n2")
+
+
+def test_prod_refuses_a_docker_name_at_submit_and_queues_nothing(
+    cluster: Cluster, workdir: Path
+) -> None:
+    """Conversion is off in prod: a docker:// name is refused by its name, at submit
+    (prod here takes the Docker Hub project too, so that conversion is what refuses)."""
+    rules = {
+        "prod": {"repositories": ["library/*", "dockerhub/library/*"], "allow_conversion": False},
+        "dev": {},
+    }
+    before = cluster.job_ids()
+    image = "docker://ubuntu:22.04@sha256:" + "a" * 64
+    with cluster.config_with(partitions=rules):
+        r = cluster.run(["srun", "-p", "prod", f"--tf-image={image}", "true"], cwd=workdir)
+    assert r.returncode != 0
+    refusal = "tfimage: partition-check: partition prod runs SIF images only: "
+    assert r.stderr.startswith(refusal), r.stderr
+    assert cluster.job_ids() == before
