@@ -138,9 +138,10 @@ def test_one_teams_usage_lowers_its_fair_share_and_its_next_jobs_priority_in_spr
         shares = _shares(cluster)
     assert shares[a][0] > team_a_usage, shares  # team-a's running job counted
     assert shares[a][1] < shares[b][1], shares
-    # Two jobs submitted now, alike but for their team, both waiting for n1 (which
-    # team-a's job holds), so that sprio lists them: team-b's comes first.
-    wait = ["-p", "dev", "-w", "n1", "--exclusive", "-o", "/dev/null", "--wrap", "true"]
+    # Two jobs submitted now, alike but for their team, both waiting for both of dev's
+    # nodes (team-a's job holds n1), so that sprio lists them: team-b's comes first.
+    # (Not -w n1: 24.11's sprio leaves out a job pending for ReqNodeNotAvail.)
+    wait = ["-p", "dev", "-N2", "--exclusive", "-o", "/dev/null", "--wrap", "true"]
     jobs = [cluster.submit(_home(cluster), *wait), other.submit(_home(other), *wait)]
     try:
         # sprio lists a job once the scheduler has looked at it (24.11 answers "Invalid

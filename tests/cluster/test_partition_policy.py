@@ -115,7 +115,7 @@ def test_prod_refuses_a_tag_at_submit_in_one_line_and_queues_nothing(
     script.write_text("#!/bin/sh\n#SBATCH -p prod --tf-image=policy-submit:1\ntrue\n")
     r = cluster.run(["sbatch", str(script)], cwd=workdir)
     assert r.returncode != 0 and r.stderr.splitlines()[0].startswith(refusal), r.stderr
-    assert cluster.job_ids() == before  # nothing queued
+    assert cluster.job_ids() <= before  # nothing queued (old ones may age out)
     r = cluster.run(["sbatch", "--parsable", "-p", "dev", str(script)], cwd=workdir)
     assert r.returncode == 0, r.stderr  # -p on the command line wins, and dev takes tags
     cluster.assert_never_drained("n1")
@@ -182,4 +182,4 @@ def test_prod_refuses_a_docker_name_at_submit_and_queues_nothing(
     assert r.returncode != 0
     refusal = "tfimage: partition-check: partition prod runs SIF images only: "
     assert r.stderr.startswith(refusal), r.stderr
-    assert cluster.job_ids() == before
+    assert cluster.job_ids() <= before  # nothing queued (old ones may age out)
