@@ -60,9 +60,9 @@ def pinned(
     if ref.digest:
         return ref
     if client_factory is None:
-        from tfimage.agent.registry.access import client_for
+        from tfimage.agent.stage.job import light_clients
 
-        client_factory = lambda host: client_for(cfg, host, light=True)  # noqa: E731
+        client_factory = light_clients(cfg)
     from tfimage.agent.registry.platforms import tag_manifest
 
     last: RegistryUnreachable | None = None

@@ -205,7 +205,7 @@ def _manifest(
     path = layout.stage_manifest(staging.root, ref.digest)
     if path.exists():
         return path
-    factory = client_factory or _client(cfg)
+    factory = client_factory or light_clients(cfg)
     last: RegistryUnreachable | None = None
     for host in cfg.sources(ref):
         try:
@@ -223,7 +223,8 @@ def _manifest(
     raise last
 
 
-def _client(cfg: Config) -> ClientFactory:
+def light_clients(cfg: Config) -> ClientFactory:
+    """The controller's registry clients, one per host (the admin comment's too)."""
     from tfimage.agent.registry.access import client_for
 
     return lambda host: client_for(cfg, host, light=True)
