@@ -35,6 +35,7 @@ from tfimage.agent.gpu.drain import check_node
 from tfimage.agent.gpu.gate import health, prolog_gate
 from tfimage.agent.hooks.args import parse_hook_args
 from tfimage.agent.hooks.log import LOG_FILE, guarded, hook_logger, log_to
+from tfimage.agent.step.imagemount import make_jobs_dir
 from tfimage.agent.step.plan import prepare_job
 from tfimage.agent.usage import jobfacts
 
@@ -79,9 +80,7 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
     try:
         with deadline(cfg.hook_deadline, "prolog"):
             uid = int(args.uid) if args.uid.isdigit() and len(args.uid) < 11 else None
-            got = prepare_job(
-                cfg, job_id, image, uid=uid, partition=args.partition, asked=asked
-            )
+            got = prepare_job(cfg, job_id, image, uid=uid, partition=args.partition, asked=asked)
         note(
             image=str(got.ref),
             repository=got.ref.repository,
@@ -120,8 +119,8 @@ def _default(cfg: Config, job_id: str, partition: str, log: logging.Logger) -> s
         log.error("job %s: no default image: %s", job_id, cause(e))
         return ""
     if image:
+        make_jobs_dir(cfg.state_dir)
         path = layout.job_default_image(cfg.state_dir, job_id)
-        path.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
         write_atomic(path, (image + "\n").encode(), mode=0o644)
         log.info("job %s: no --tf-image; partition %s's default %s", job_id, partition, image)
     return image

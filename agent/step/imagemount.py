@@ -98,6 +98,13 @@ def job_lock(state_dir: str, job_id: str) -> Iterator[None]:
         yield
 
 
+def make_jobs_dir(state_dir: str) -> Path:
+    """``state_dir/jobs`` made as the job lock makes it (no link followed, 0711)."""
+    jobs = layout.jobs_dir(state_dir)
+    _mkdirs(Path(state_dir), jobs, TRAVERSE_ONLY)
+    return jobs
+
+
 def mounted(path: Path) -> bool:
     target = str(path)
     with open("/proc/self/mountinfo") as f:
