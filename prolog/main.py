@@ -27,6 +27,7 @@ from tfimage.agent.core.config import Config, load_config
 from tfimage.agent.core.deadline import deadline
 from tfimage.agent.core.errors import InputError, NodeFault, PolicyError, TfimageError, cause
 from tfimage.agent.core.fsutil import write_atomic
+from tfimage.agent.core.hostlist import expand_hostlist
 from tfimage.agent.core.ids import valid_job_id
 from tfimage.agent.core.logtext import oneline
 from tfimage.agent.core.partition import default_image, rules_for
@@ -80,7 +81,15 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
     try:
         with deadline(cfg.hook_deadline, "prolog"):
             uid = int(args.uid) if args.uid.isdigit() and len(args.uid) < 11 else None
-            got = prepare_job(cfg, job_id, image, uid=uid, partition=args.partition, asked=asked)
+            got = prepare_job(
+                cfg.on_node(args.node) if args.node else cfg,
+                job_id,
+                image,
+                uid=uid,
+                partition=args.partition,
+                asked=asked,
+                jitter=cfg.pull_jitter if _many_nodes(args.nodes) else 0.0,
+            )
         note(
             image=str(got.ref),
             repository=got.ref.repository,
@@ -106,6 +115,16 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
         log.error("job %s: image %s: %s", job_id, oneline(image), cause(e))
         note(image_error=cause(e), repository=_repository(cfg, image))
     return 0
+
+
+def _many_nodes(nodes: str) -> bool:
+    """Whether the job's hostlist names more than one node (unreadable: assume so)."""
+    if not nodes:
+        return False
+    try:
+        return len(expand_hostlist(nodes, 2)) > 1
+    except TfimageError:
+        return True
 
 
 def _default(cfg: Config, job_id: str, partition: str, log: logging.Logger) -> str:

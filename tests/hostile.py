@@ -42,6 +42,14 @@ class Behaviour:
     redirect_blob: str | None = None  # answer blob GETs with 307 to this Location
     basic: bool = False  # challenge requests without credentials for Basic auth
     status: int | None = None  # answer every request with this status and nothing else
+    # Shed load as Harbor's max_upstream_conn does: 429 with Retry-After to any
+    # request beyond this many in flight; how many were shed, and the most served
+    # at once.
+    max_in_flight: int | None = None
+    retry_after: str = "1"
+    shed: int = 0
+    peak: int = 0
+    in_flight: int = 0
     # tag list pages in the order asked for: (tags, the Link header to send or None)
     tag_pages: list[tuple[list[str], str | None]] = field(default_factory=list)
     # (path, Authorization header or "") of every request, in order
@@ -53,6 +61,7 @@ class Server:
 
     def __init__(self, tls: Path, address: str = "127.0.0.1") -> None:
         self.b = Behaviour()
+        self.lock = threading.Lock()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -60,6 +69,30 @@ class Server:
                 pass
 
             def do_GET(self) -> None:
+                b = outer.b
+                if b.max_in_flight is None:
+                    self._get()
+                    return
+                with outer.lock:
+                    admitted = b.in_flight < b.max_in_flight
+                    if admitted:
+                        b.in_flight += 1
+                        b.peak = max(b.peak, b.in_flight)
+                    else:
+                        b.shed += 1
+                if not admitted:
+                    self.send_response(429)
+                    self.send_header("Retry-After", b.retry_after)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                try:
+                    self._get()
+                finally:
+                    with outer.lock:
+                        b.in_flight -= 1
+
+            def _get(self) -> None:
                 b = outer.b
                 b.seen.append((self.path, self.headers.get("Authorization", "")))
                 if b.status is not None:

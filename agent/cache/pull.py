@@ -1,7 +1,10 @@
 """Filling the cache: :meth:`Puller.ensure` makes an image a cache entry (store.py).
 
-It asks the site's registry and then its mirrors in turn, each taken over when the
-one before is unreachable; requests for one tag at once ask once (coalesce.py),
+It asks the node's rack mirrors, the site's registry and then its mirrors in turn
+(core/mirrortiers.py), each taken over when the one before is unreachable (a rack
+mirror: whatever it failed with); a cold pull of a multi-node job first waits a
+moment at random (``jitter``), so that a job's prologs do not reach the registry
+in the same second; requests for one tag at once ask once (coalesce.py),
 and one image is downloaded once however many wait for it (its digest's lock).
 An OCI image is converted to SIF once (convert.py) and cached under its manifest
 digest.  A download is appended to its partial file in ``tmp/`` (on the same
@@ -27,6 +30,7 @@ from tfimage.agent.core import layout
 from tfimage.agent.core.config import Config
 from tfimage.agent.core.errors import (
     CacheError,
+    ImageError,
     RangeUnsupported,
     RegistryError,
     RegistryUnreachable,
@@ -66,10 +70,20 @@ class Puller:
     """Pulls into ``cache``, with a client per registry host from ``client_factory``."""
 
     def __init__(
-        self, cache: ImageCache, client_factory: Callable[[str], RegistryClient] | None = None
+        self,
+        cache: ImageCache,
+        client_factory: Callable[[str], RegistryClient] | None = None,
+        *,
+        jitter: float = 0.0,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.cache = cache
         self.cfg = cache.cfg
+        # The most seconds a cold pull waits at random before its first request
+        # (the prolog of a multi-node job: config's pull_jitter).
+        self.jitter = jitter
+        self._sleep = sleep
+        self.waited = 0.0  # what this Puller's last cold pull waited
         # The stdlib transport for all of it: the many callers that only resolve a
         # tag, or wait on another's download, never import requests, and the one
         # that downloads reads straight into its buffers (transport.py).
@@ -107,7 +121,8 @@ class Puller:
             if isinstance(adopted, CachedImage):
                 return adopted
             refused = adopted
-        last: RegistryUnreachable | None = None
+        last: ImageError | None = None
+        self._spread(ref)
         for host in self.cfg.sources(ref):
             try:
                 if ref.digest:
@@ -150,6 +165,12 @@ class Puller:
             except RegistryUnreachable as e:
                 last = e  # this one is down: the next mirror serves
                 continue
+            except (RegistryError, VerificationError) as e:
+                if not self.cfg.is_rack_mirror(host):
+                    raise
+                # A rack mirror refused, lost or garbled it: the registry decides.
+                last = e
+                continue
             return CachedImage(
                 pinned,
                 path,
@@ -161,6 +182,17 @@ class Puller:
             )
         assert last is not None
         raise last
+
+    def _spread(self, ref: Reference) -> None:
+        """Wait up to ``jitter`` seconds, at random, before a cold pull: one whose
+        image (pinned) is not in the cache, or a tag's lookup."""
+        self.waited = 0.0
+        if self.jitter <= 0 or (ref.digest and self.cache.path_of(ref.digest).exists()):
+            return
+        import random
+
+        self.waited = random.uniform(0, self.jitter)  # noqa: S311 - spreading, not secrecy
+        self._sleep(self.waited)
 
     def _adopt(
         self, ref: Reference, job: str, uid: int | None, started: float

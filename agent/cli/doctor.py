@@ -372,10 +372,23 @@ def check_registry(ctx: Context) -> Iterator[Diagnosis]:
         return
     from tfimage.agent.registry.access import client_for
 
-    for host in (ctx.cfg.registry, *ctx.cfg.mirrors):
+    cfg = ctx.cfg
+    node, group, racks = cfg.node_mirrors()
+    order = list(dict.fromkeys((*racks, cfg.registry, *cfg.mirrors)))
+    if cfg.rack_mirrors:
+        rack = f"rack {group}" if group else "no rack_mirrors group"
+        yield Diagnosis(
+            "registry", "ok", f"node {node} ({rack}) pulls from {', then '.join(order)}"
+        )
+    for host in order:
         try:
-            client_for(ctx.cfg, host, light=True).ping()
+            client_for(cfg, host, light=True).ping()
         except TfimageError as e:
+            if host in racks:  # pulls go on to the registry, slower
+                yield Diagnosis(
+                    "registry", "warning", f"rack mirror: {e}", "pulls skip it; check the mirror"
+                )
+                continue
             yield Diagnosis(
                 "registry", "error", str(e), "check the network, ca_bundle and the credentials file"
             )

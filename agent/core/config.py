@@ -19,6 +19,7 @@ from tfimage.agent.core import wire
 from tfimage.agent.core.access import Rule, access_rules, segment_glob
 from tfimage.agent.core.errors import ConfigError, ImageReferenceError, TfimageError
 from tfimage.agent.core.gpuconfig import GpuPolicy, gpu_policy, unknown_settings
+from tfimage.agent.core.mirrortiers import Tiers, for_node, rack_mirrors, this_node
 from tfimage.agent.core.partition import PartitionRule, partition_rules
 from tfimage.agent.core.reference import (
     DOCKER_HUB,
@@ -39,6 +40,8 @@ class Config:
     registry: str = "harbor.example"
     project: str = "library"
     mirrors: tuple[str, ...] = ()
+    # Pull-through caches per node group, asked before the registry (mirrortiers.py).
+    rack_mirrors: Tiers = ()  # mapping in YAML
     allowed_registries: tuple[str, ...] = ()
     ca_bundle: str | None = None
     credentials: str = "/etc/tfimage/credentials.yaml"
@@ -88,6 +91,10 @@ class Config:
     # stream was as fast and cost the registry a quarter less CPU (bench/pull.py).
     pull_connections: int = 1
     pull_stripe_bytes: int = 8 << 20
+    # The most seconds a cold pull of a multi-node job waits, at random, before it
+    # asks the registry: a hundred prologs that start in one second reach it spread
+    # over this long.  0 for none; one-node jobs never wait.
+    pull_jitter: float = 2.0
     # One JSON line per job per node (usage/record.py), for a log shipper; "" for none.
     usage_log: str = "/var/log/tfimage/usage.jsonl"
     # node_exporter's textfile collector directory (Debian's default), written where
@@ -133,11 +140,32 @@ class Config:
     record_digest: bool = True
     # The GPU gate (gpuconfig.py documents every key).
     gpu: GpuPolicy = field(default_factory=GpuPolicy)
+    # The Slurm node this config is read on (the prolog's SLURMD_NODENAME): what
+    # picks its rack mirrors.  Not a setting: "" is this host's short name.
+    node_name: str = field(default="", compare=False, metadata={"setting": False})
 
     @property
     def allowlist(self) -> tuple[str, ...]:
         """The admin's allowlist; by default the registry and its mirrors."""
-        return self.allowed_registries or (self.registry, *self.mirrors)
+        return self.allowed_registries or (self.registry, *self.all_mirrors)
+
+    @property
+    def all_mirrors(self) -> tuple[str, ...]:
+        """Every mirror any node may ask: ``mirrors`` and each group's rack mirrors."""
+        racks = (m for _, group in self.rack_mirrors for m in group)
+        return tuple(dict.fromkeys((*self.mirrors, *racks)))
+
+    def on_node(self, name: str) -> Config:
+        """This config as read on the Slurm node ``name`` (its rack mirrors)."""
+        import dataclasses
+
+        return dataclasses.replace(self, node_name=name)
+
+    def node_mirrors(self) -> tuple[str, str, tuple[str, ...]]:
+        """This node's name, the hostlist of its group ("" for none) and its rack
+        mirrors."""
+        node = self.node_name or this_node()
+        return (node, *for_node(self.rack_mirrors, node))
 
     @property
     def node_platform(self) -> str:
@@ -164,10 +192,17 @@ class Config:
             return frozenset({0})
 
     def sources(self, ref: Reference) -> list[str]:
-        """Where to fetch ``ref``: its registry, then (for the site's) the mirrors, in order."""
+        """Where to fetch ``ref``: for the site's registry, this node's rack mirrors,
+        the registry, then the mirrors, in order, each once; else its registry."""
         if ref.registry == self.registry:
-            return [ref.registry, *(m for m in self.mirrors if m != ref.registry)]
+            racks = self.node_mirrors()[2] if self.rack_mirrors else ()
+            return list(dict.fromkeys((*racks, ref.registry, *self.mirrors)))
         return [ref.registry]
+
+    def is_rack_mirror(self, host: str) -> bool:
+        """Whether ``host`` is one of this node's rack mirrors (asked before the
+        registry: whatever it fails with, the registry is asked next)."""
+        return bool(self.rack_mirrors) and host in self.node_mirrors()[2]
 
     def mount_drivers(self, origin: str | None) -> tuple[str, ...]:
         """The image mount drivers to try for a cached image, in order.  ``origin`` is
@@ -176,7 +211,7 @@ class Config:
         only for the site's registry (or a mirror) and a repository matching
         ``image_mount_kernel``, where ``*`` matches within one path segment."""
         host, _, repository = (origin or "").partition("/")
-        trusted = host in (self.registry, *self.mirrors) and any(
+        trusted = host in (self.registry, *self.all_mirrors) and any(
             segment_glob(g).match(repository) for g in self.image_mount_kernel
         )
         return tuple(d for d in self.image_mount if d != "kernel" or trusted)
@@ -211,6 +246,8 @@ _FLOATS = {
     "cache_low_watermark",
     "cache_min_age",
 }
+# Settings that may be 0 (off).
+_OFF_FLOATS = {"pull_jitter"}
 _BOOLS = {"single_task_tf_config", "stage", "record_digest"}
 _INTS = {
     "pull_connections": (1, 16),
@@ -226,6 +263,12 @@ def _coerce(key: str, value: Any, path: Path) -> Any:
         return gpu_policy(value, path)
     if key == "access":
         return access_rules(value, path)
+    if key == "rack_mirrors":
+        return rack_mirrors(value, path)
+    if key in _OFF_FLOATS:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 600:
+            raise ConfigError(f"{path}: '{key}' must be a number of seconds from 0 to 600")
+        return float(value)
     if key == "partitions":
         return partition_rules(value, path)
     if key == "image_mount":
@@ -311,7 +354,7 @@ _PLATFORM = re.compile(r"linux/[a-z0-9]{1,16}\Z")
 
 def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Config:
     data = dict(data)
-    known = {f.name for f in fields(Config)}
+    known = {f.name for f in fields(Config) if f.metadata.get("setting", True)}
     if said := unknown_settings(data, known):
         raise ConfigError(f"{path}: unknown setting(s): {said}")
     values = {k: _coerce(k, v, path) for k, v in data.items()}
@@ -360,7 +403,7 @@ def _check_upstreams(cfg: Config, path: Path) -> None:
     proxied += [
         site.partition("/")[2]
         for site in cfg.registry_rewrites.values()
-        if site.partition("/")[0] in (cfg.registry, *cfg.mirrors)
+        if site.partition("/")[0] in (cfg.registry, *cfg.all_mirrors)
     ]
     for glob in cfg.image_mount_kernel:
         parts = glob.split("/")

@@ -167,6 +167,8 @@ _MPS = HookFlag("--mps", ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",), "mps")
 _UID = HookFlag("--uid", ("SLURM_JOB_UID",), "uid")
 _GID = HookFlag("--gid", ("SLURM_JOB_GID",), "gid")
 _NODES = HookFlag("--nodes", ("SLURM_JOB_NODELIST",), "nodes")
+# A node's prolog: SLURM_JOB_NODELIST from 23.02.6, SLURM_NODELIST on every version.
+_JOB_NODES = HookFlag("--nodes", ("SLURM_JOB_NODELIST", "SLURM_NODELIST"), "nodes")
 _ASKED = HookFlag("--asked", (ASKED_IMAGE_VAR,), "image_asked")
 # The partition the job runs in, as slurmd gives it: what picks a partitions: rule.
 _PARTITION = HookFlag("--partition", ("SLURM_JOB_PARTITION",), "partition")
@@ -174,7 +176,7 @@ _PARTITION = HookFlag("--partition", ("SLURM_JOB_PARTITION",), "partition")
 # Each hook's arguments after ``--config=PATH``, in the order the role's scripts
 # send them (5); tests/unit/deploy/test_hook_scripts.py holds the scripts to it.
 HOOK_FLAGS: dict[str, tuple[HookFlag, ...]] = {
-    "tfimage-prolog": (_JOB, _IMAGE, _NODE, _GPUS, _MPS, _UID, _ASKED, _PARTITION),
+    "tfimage-prolog": (_JOB, _IMAGE, _NODE, _GPUS, _MPS, _UID, _ASKED, _PARTITION, _JOB_NODES),
     "tfimage-epilog": (
         _JOB,
         _IMAGE,

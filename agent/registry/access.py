@@ -49,6 +49,8 @@ def client_for(cfg: Config, host: str, *, light: bool = False) -> RegistryClient
         ca_bundle=cfg.ca_bundle,
         connect_timeout=cfg.connect_timeout,
         read_timeout=cfg.read_timeout,
+        # Shedding load ends where a slow answer would: at the hook's deadline.
+        busy_for=cfg.hook_deadline,
         transport=transport,
         token_realms=cfg.token_realms,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -49,6 +50,8 @@ MANIFEST_ACCEPT = ", ".join((OCI_MANIFEST, OCI_INDEX, DOCKER_MANIFEST, DOCKER_LI
 MAX_MANIFEST = 4 << 20
 CHUNK = 1 << 20
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+# The longest a Retry-After is taken at its word; longer ones are waited this long.
+RETRY_AFTER_MAX = 30.0
 # A tag list's next page (distribution's Link header); anything else ends the list.
 _NEXT_PAGE = re.compile(
     r'<(/v2/[A-Za-z0-9._/-]+/tags/list\?[A-Za-z0-9._%=&-]{1,512})>;\s*rel="next"\Z'
@@ -128,6 +131,7 @@ class RegistryClient:
         connect_timeout: float = 5.0,
         read_timeout: float = 30.0,
         attempts: int = 3,
+        busy_for: float = 60.0,
         transport: Transport | None = None,
         scheme: str = "https",
         sleep: Callable[[float], None] = time.sleep,
@@ -139,6 +143,10 @@ class RegistryClient:
         self._base = f"{scheme}://{host}/v2"
         self._timeout = (connect_timeout, read_timeout)
         self._attempts = max(1, attempts)
+        # A registry shedding load (429, or 503 with Retry-After) is asked again for
+        # this many seconds of waiting, not a number of times: it must never fail a
+        # job sooner than one that answers slowly (the hook's deadline ends both).
+        self._busy_for = busy_for
         if transport is None:
             from tfimage.agent.registry.transport import RequestsTransport
 
@@ -164,9 +172,12 @@ class RegistryClient:
     # -- transport ---------------------------------------------------------------
 
     def _send(self, method: str, url: str, scope: str, **kw: Any) -> Response:
-        """Send with auth, bounded retries on connection errors, 429 and 5xx."""
+        """Send with auth and retries: a few on connection errors and 5xx, and for
+        ``busy_for`` seconds of waiting while the registry sheds load."""
         authed_once = False
         attempt = 0
+        busy = 0  # answers that shed load, and the seconds waited after them
+        waited = 0.0
         while True:
             headers = dict(kw.pop("headers", None) or {})
             if (bearer := self._auth.bearer(scope)) is not None:
@@ -200,10 +211,24 @@ class RegistryClient:
                 resp.close()
                 kw["headers"] = headers
                 continue
+            retry_after = resp.headers.get("Retry-After")
+            if resp.status_code == 429 or (resp.status_code == 503 and retry_after):
+                resp.close()
+                busy += 1
+                delay = self._delay(busy, retry_after)
+                if waited + delay > self._busy_for:
+                    raise RegistryUnreachable(
+                        f"{self.host}: shedding load: answered {resp.status_code} "
+                        f"{busy} times over {waited:.0f} s"
+                    )
+                waited += delay
+                self._sleep(delay)
+                kw["headers"] = headers
+                continue
             if resp.status_code in _RETRY_STATUS and attempt + 1 < self._attempts:
                 attempt += 1
                 resp.close()
-                self._backoff(attempt, resp.headers.get("Retry-After"))
+                self._backoff(attempt)
                 kw["headers"] = headers
                 continue
             if resp.status_code == 401:
@@ -216,11 +241,20 @@ class RegistryClient:
                 )
             return resp
 
-    def _backoff(self, attempt: int, retry_after: str | None = None) -> None:
-        delay = min(2.0, 0.2 * 2 ** (attempt - 1))
-        if retry_after and retry_after.isdigit():
-            delay = min(float(retry_after), 5.0)
-        self._sleep(delay)
+    def _backoff(self, attempt: int) -> None:
+        self._sleep(self._delay(attempt, None, cap=2.0))
+
+    @staticmethod
+    def _delay(attempt: int, retry_after: str | None, cap: float = 5.0) -> float:
+        """Seconds before asking again: the registry's Retry-After (seconds, at most
+        RETRY_AFTER_MAX), else doubling from 0.2 s up to ``cap``; either spread by
+        half either way, so that the prologs it turned away together come back
+        apart."""
+        if retry_after and retry_after.isdigit() and len(retry_after) < 6:
+            base = min(float(retry_after), RETRY_AFTER_MAX) or 0.2
+        else:
+            base = min(cap, 0.2 * 2 ** min(attempt - 1, 16))
+        return base * random.uniform(0.5, 1.5)  # noqa: S311 - spreading, not secrecy
 
     # -- reading -----------------------------------------------------------------
 

@@ -99,6 +99,7 @@ def _ready(
     *,
     prolog: bool = False,
     policy: tuple[str, tuple[PartitionRule, ...], str] = ("", (), ""),
+    jitter: float = 0.0,
 ) -> tuple[CachedImage, Path | None]:
     """The job's image in the node cache, and mounted when the runtime needs that,
     once ``uid`` (the job's user, as Slurm gives it) may run it (imageaccess.py) and
@@ -119,7 +120,7 @@ def _ready(
         cache = cache or ImageCache(cfg)
         # Refused before a download or a conversion, where it can be.
         admit = functools.partial(check_image, rules, partition, ref) if rules else None
-        cached = Puller(cache).ensure(ref, job=job_id, uid=uid, admit=admit)
+        cached = Puller(cache, jitter=jitter).ensure(ref, job=job_id, uid=uid, admit=admit)
         assert cached.ref.digest
         digest = cached.ref.digest
         # Read once, for the partition rules, access and mount trust.
@@ -165,6 +166,7 @@ def prepare_job(
     uid: int | None = None,
     partition: str = "",
     asked: str = "",
+    jitter: float = 0.0,
 ) -> CachedImage:
     """Prolog: pull the image into the node cache and mount it if the runtime needs it.
 
@@ -173,10 +175,13 @@ def prepare_job(
     remembered too, and the job's steps report it at once instead of trying again.
     That is how a refusal by the rule for the job's ``partition`` (core/partition.py;
     ``asked``, the ``--tf-image`` text as written) reaches each step's stderr.
+    A cold pull first waits up to ``jitter`` seconds (cache/pull.py).
     """
     runtime = runtime_for(cfg.runtime, cfg.runtime_path, nvccli=cfg.gpu.nvccli)
     policy = (partition, rules_for(cfg.partitions, partition), asked)
-    return _ready(cfg, job_id, image, runtime, cache, uid, prolog=True, policy=policy)[0]
+    return _ready(
+        cfg, job_id, image, runtime, cache, uid, prolog=True, policy=policy, jitter=jitter
+    )[0]
 
 
 def _home_of(uid: int) -> str | None:

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from support import Registry, need
-from tfimage.agent.cli.doctor import Context, exit_status, run_checks
+from tfimage.agent.cli.doctor import Context, check_registry, exit_status, run_checks
 from tfimage.agent.cli.main import main
 from tfimage.agent.core.config import load_config
 
@@ -249,3 +250,20 @@ def test_a_controller_missing_each_part_is_told_what_to_fix(
         for d in found
     ), found
     assert exit_status(found) == 2
+
+
+def test_a_rack_mirror_that_does_not_answer_is_a_warning_and_the_order_is_shown(
+    tmp_path: Path, registry: Registry
+) -> None:
+    cfg = registry.write_site(tmp_path, runtime="charliecloud")
+    me = socket.gethostname().split(".")[0]
+    with cfg.open("a") as f:
+        f.write(f'rack_mirrors: {{"{me}": ["127.0.0.1:1"]}}\nconnect_timeout: 1\n')
+    ctx = Context(cfg, tmp_path / "slurm.conf", cfg=load_config(cfg))
+    diagnoses = list(check_registry(ctx))
+    said = {(f.level, f.message) for f in diagnoses}
+    assert ("ok", f"node {me} (rack {me}) pulls from 127.0.0.1:1, then {registry.host}") in said
+    assert ("ok", f"{registry.host} reachable, credentials accepted") in said
+    warned = [f for f in diagnoses if f.level == "warning"]
+    assert len(warned) == 1 and warned[0].message.startswith("rack mirror: 127.0.0.1:1")
+    assert not [f for f in diagnoses if f.level == "error"]

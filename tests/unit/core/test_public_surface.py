@@ -38,7 +38,10 @@ def test_importing_it_loads_only_the_core_and_no_heavy_library() -> None:
         "tfimage.agent.core.config",
         "tfimage.agent.core.errors",
         "tfimage.agent.core.gpuconfig",  # the config's gpu: section: pure, no pynvml
+        "tfimage.agent.core.hostlist",  # the config's rack_mirrors: hostlists
         "tfimage.agent.core.ids",  # the digest pattern the parser checks
+        "tfimage.agent.core.logtext",  # hostlist's one-line quotes
+        "tfimage.agent.core.mirrortiers",  # the config's rack_mirrors: pure
         "tfimage.agent.core.partition",  # the config's partitions: rules: pure
         "tfimage.agent.core.reference",
         "tfimage.agent.core.wire",  # the config's defaults are the plugin's

@@ -124,6 +124,8 @@ SLURMS_OWN = {
         ("--uid", "SLURM_JOB_UID"),
         ("--asked", "SPANK__SLURM_SPANK_OPTION_tfimage_tf_image"),
         ("--partition", "SLURM_JOB_PARTITION"),
+        # 23.02.6 added SLURM_JOB_NODELIST to the prolog's; 22.05 has SLURM_NODELIST.
+        ("--nodes", "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
     ],
     "tfimage-epilog": [
         ("--job", "SLURM_JOB_ID"),
