@@ -6,6 +6,8 @@
 #                     each in its own network, UTS and mount
 #                     namespace (and its own /dev, with four fake GPUs in it);
 #                     tfimage installed and wired in; images pushed.
+#                     With 4 nodes or more, a rack mirror for the upper half
+#                     (mirror.sh; TFIMAGE_MIRROR=0: none).
 #   cluster.sh down   stops all of it: no process, mount, namespace or link left.
 #   cluster.sh status
 #   cluster.sh daemon N  start node N's (or `login`: this host's) tfimage daemon
@@ -53,6 +55,8 @@ DAEMON_ARGS=()  # more arguments for `tfimage daemon` (cluster.sh daemon NODE AR
 . "$REPO/deploy/local/proxy.sh"
 # shellcheck source=deploy/local/accounting.sh
 . "$REPO/deploy/local/accounting.sh"
+# shellcheck source=deploy/local/mirror.sh
+. "$REPO/deploy/local/mirror.sh"
 
 # Run a Slurm or munge program of the selected flavor.
 in_root() { if [ -n "$ROOT" ]; then chroot "$ROOT" "$@"; else "$@"; fi; }
@@ -67,6 +71,8 @@ esac
     || die "TFIMAGE_NODES must be a number of nodes from 2 to 32, not '$NODE_COUNT'"
 case "$STAGE_ON" in 0 | 1) ;; *) die "TFIMAGE_STAGE must be 0 or 1, not '$STAGE_ON'" ;; esac
 case "$ACCOUNTING_ON" in 0 | 1) ;; *) die "TFIMAGE_ACCOUNTING must be 0 or 1, not '$ACCOUNTING_ON'" ;; esac
+case "$MIRROR_ON" in 0 | 1) ;; *) die "TFIMAGE_MIRROR must be 0 or 1, not '$MIRROR_ON'" ;; esac
+[ "$NODE_COUNT" -ge 4 ] || MIRROR_ON=0  # half the nodes behind it, half not
 [ -z "$REGISTRY_RATE" ] || [[ $REGISTRY_RATE =~ ^[1-9][0-9]{0,5}[kmg]?bit$ ]] \
     || die "TFIMAGE_REGISTRY_RATE must be a rate like 200mbit, not '$REGISTRY_RATE'"
 NODES=()
@@ -150,6 +156,7 @@ down() {
     rm -f "$login_run/daemon.sock" "$login_run/pin.sock" "$login_run/resolve.sock" "$login_run/last-seen.json"
     stop_pid "$RUN/slurmctld.pid"
     stop_accounting
+    stop_mirror
     stop_proxy
     stop_pid "$RUN/registry.pid"
     stop_pid "$RUN/munged.pid"
@@ -242,6 +249,10 @@ shape_registry() {
         net tc filter add dev "$dev" protocol ip parent 1: prio 1 u32 \
             match ip src "$CTL_ADDR/32" match ip sport "$REG_PORT" 0xffff flowid 1:20
     done
+    # What the rack mirror fetches (from nginx's site-robot view, proxy.sh) crosses
+    # the same link: the registry's uplink, one class for both.
+    [ ! -f "$RUN/lo-shaped" ] || net tc filter add dev lo protocol ip parent 1: prio 1 u32 \
+        match ip src 127.0.0.1/32 match ip sport "${AS_SITE##*:}" 0xffff flowid 1:20
     log "registry egress shaped to $REGISTRY_RATE (to the nodes and to the controller)"
 }
 
@@ -325,7 +336,7 @@ YML
     echo $! >"$RUN/registry.pid"
     for _ in $(seq 100); do
         code=$(curl -s -o /dev/null -w '%{http_code}' "http://$UPSTREAM/v2/" || true)
-        [ "$code" = 200 ] && { start_proxy; return 0; }
+        [ "$code" = 200 ] && { start_proxy; start_mirror; return 0; }
         sleep 0.1
     done
     tail -5 "$LOGS/registry.log" >&2
@@ -581,6 +592,8 @@ tfimage_registry_credentials:
   "$REGISTRY/$TEAM":
     username: "$TEAM_ROBOT"
     password: "$(cat "$STATE/pki/team-a.password")"
+$(mirror_credentials)
+$(mirror_role_vars)
 # team-a's project is team-a's: only Unix group team-a runs it (TEST_USER is in it,
 # TEST_USER2 is not).
 tfimage_access: {"$TEAM/*": ["@$TEAM"]}
@@ -776,6 +789,8 @@ export TFIMAGE_CHROOT=$ROOT
 export TFIMAGE_NODE_NAMES="${NODES[*]}"
 export TFIMAGE_REGISTRY_RATE=$REGISTRY_RATE
 export TFIMAGE_STAGE=$([ "$STAGE_ON" = 0 ] && echo 0 || echo 1)
+export TFIMAGE_MIRROR=$([ "$MIRROR_ON" = 1 ] && echo "$MIRROR" || true)
+export TFIMAGE_MIRROR_NODES=$([ "$MIRROR_ON" = 1 ] && mirror_nodes || true)
 ENV
 }
 
@@ -811,7 +826,7 @@ up() {
 status() {
     local was
     mapfile -t was < <(up_nodes)
-    for f in munged registry proxy mariadb slurmdbd slurmctld daemon-login "${was[@]/#/slurmd-}"; do
+    for f in munged registry proxy mirror mariadb slurmdbd slurmctld daemon-login "${was[@]/#/slurmd-}"; do
         if alive "$RUN/$f.pid"; then echo "$f: running"; else echo "$f: stopped"; fi
     done
 }
@@ -828,10 +843,17 @@ case "${1:-}" in
             start) start_slurmdbd ;;
             *) echo "usage: cluster.sh slurmdbd stop|start" >&2; exit 2 ;;
         esac ;;
+    mirror)  # stop|start the running cluster's rack mirror (mirror.sh), as a
+        # rack switch's failure would
+        case "${2:-}" in
+            stop) stop_mirror ;;
+            start) NODE_COUNT=$(wc -l <"$RUN/nodes") MIRROR_ON=1 start_mirror ;;
+            *) echo "usage: cluster.sh mirror stop|start" >&2; exit 2 ;;
+        esac ;;
     daemon)  # (re)start one node's tfimage daemon, or the login node's, with any
         # further arguments for `tfimage daemon` (e.g. --trace FILE).
         # In the running cluster's tree, whatever SLURM_FLAVOR says now.
         [ ! -f "$RUN/chroot.root" ] || ROOT=$(cat "$RUN/chroot.root")
         if [ "${2:?node}" = login ]; then start_login_daemon "${@:3}"; else start_daemon "$2" "${@:3}"; fi ;;
-    *) echo "usage: cluster.sh up|down|status|daemon NODE|login [DAEMON ARGS...]|slurmdbd stop|start" >&2; exit 2 ;;
+    *) echo "usage: cluster.sh up|down|status|daemon NODE|login [DAEMON ARGS...]|slurmdbd stop|start|mirror stop|start" >&2; exit 2 ;;
 esac

@@ -9,8 +9,14 @@ recipe, a location per project), so that a project's robot reads its project and
 the site's robot reads the rest but not that project.  Used by the local cluster
 (deploy/local/proxy.sh) and by the unit tests' fixture; stdlib only.
 
-    python3 project_proxy.py LISTEN UPSTREAM CERT KEY WORKDIR SITE_HTPASSWD \\
-        [PROJECT=HTPASSWD ...] > nginx.conf
+    python3 project_proxy.py [--as-site=HOST:PORT] LISTEN UPSTREAM CERT KEY WORKDIR \\
+        SITE_HTPASSWD [PROJECT=HTPASSWD ...] > nginx.conf
+
+``--as-site`` adds a plain-HTTP listener (on loopback) that reads as the site's
+robot does, without asking for it: every project's own repositories refused, the
+rest served.  It is the upstream of the local rack mirror (deploy/local/mirror.sh),
+whose docker-registry 2.8 proxy sends its credentials only to a Bearer token
+service, never as Basic auth.
 """
 
 from __future__ import annotations
@@ -46,11 +52,12 @@ def nginx_conf(
     workdir: str,
     site_htpasswd: str,
     projects: dict[str, str],
+    as_site: str | None = None,
 ) -> str:
     """nginx.conf text: TLS on ``listen``, proxying to ``upstream`` (host:port);
     ``/v2/<project>/`` behind that project's htpasswd, everything else behind the
     site's."""
-    for hp in (listen, upstream):
+    for hp in (listen, upstream, *([as_site] if as_site else [])):
         if not _HOSTPORT.match(hp):
             raise ValueError(f"not host:port: {hp!r}")
     for project in projects:
@@ -79,18 +86,39 @@ http {{
         ssl_certificate_key {key};
 {locations}
 {_location("/v2/", "registry", site_htpasswd, upstream)}
-    }}
+    }}{_as_site(as_site, upstream, projects) if as_site else ""}
 }}
 """
 
 
+def _as_site(listen: str, upstream: str, projects: dict[str, str]) -> str:
+    refused = "".join(
+        f"""
+        location /v2/{p}/ {{ return 403; }}"""
+        for p in sorted(projects)
+    )
+    return f"""
+    server {{
+        listen {listen};{refused}
+        location /v2/ {{
+            add_header Docker-Distribution-Api-Version registry/2.0 always;
+            proxy_pass http://{upstream};
+            proxy_set_header Host $http_host;
+            proxy_read_timeout 900;
+            proxy_buffering off;
+        }}
+    }}"""
+
+
 def main(argv: list[str]) -> int:
+    as_site = next((a.split("=", 1)[1] for a in argv if a.startswith("--as-site=")), None)
+    argv = [a for a in argv if not a.startswith("--as-site=")]
     if len(argv) < 6:
         print(__doc__, file=sys.stderr)
         return 2
     listen, upstream, cert, key, workdir, site = argv[:6]
     projects = dict(a.split("=", 1) for a in argv[6:])
-    sys.stdout.write(nginx_conf(listen, upstream, cert, key, workdir, site, projects))
+    sys.stdout.write(nginx_conf(listen, upstream, cert, key, workdir, site, projects, as_site))
     return 0
 
 

@@ -7,11 +7,17 @@
 #        |
 #   $UPSTREAM        docker-registry, plain HTTP on loopback, no auth of its own
 #
+#   $AS_SITE         nginx, plain HTTP on loopback: the site robot's view, for the
+#                    rack mirror (mirror.sh)
+#
 # Debian's docker-registry has one htpasswd for every repository, so the
 # per-project refusal is nginx's (deploy/local/project_proxy.py writes its config,
 # the distribution project's auth-proxy recipe with a location per project).
 
 UPSTREAM=127.0.0.1:5442
+# What the site's robot reads, without asking for its password: the rack mirror's
+# upstream (mirror.sh), on loopback only.
+AS_SITE=127.0.0.1:5445
 TEAM=team-a
 TEAM_ROBOT='robot$team-a+ci'
 
@@ -22,7 +28,7 @@ start_proxy() {
     [ -s "$STATE/pki/team-a.password" ] || (umask 077; openssl rand -hex 16 >"$STATE/pki/team-a.password")
     htpasswd -Bbn "$ROBOT" "$(cat "$STATE/pki/robot.password")" >"$d/site.htpasswd" 2>/dev/null
     htpasswd -Bbn "$TEAM_ROBOT" "$(cat "$STATE/pki/team-a.password")" >"$d/$TEAM.htpasswd" 2>/dev/null
-    python3 "$REPO/deploy/local/project_proxy.py" "$REGISTRY" "$UPSTREAM" \
+    python3 "$REPO/deploy/local/project_proxy.py" --as-site="$AS_SITE" "$REGISTRY" "$UPSTREAM" \
         "$STATE/pki/server.crt" "$STATE/pki/server.key" "$d" "$d/site.htpasswd" \
         "$TEAM=$d/$TEAM.htpasswd" >"$d/nginx.conf"
     setsid nginx -c "$d/nginx.conf" -p "$d" >"$LOGS/proxy.log" 2>&1 </dev/null &
