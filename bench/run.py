@@ -1,6 +1,7 @@
 """tfimage benchmarks: one command, ratios against baselines measured in the same run.
 
-    python bench/run.py [all|launch|pull|gpu|usage|start|stage] [--runs N] [--mib N]
+    python bench/run.py [all|launch|pull|gpu|usage|start|stage|fleet] [--runs N] [--mib N]
+                        [--nodes N]
 
 - gpu: see bench/gpu.py (the GPU gate on 8 fake GPUs, in process and as the
   prolog, against the same NVML reads bare).  Needs no cluster.
@@ -18,6 +19,11 @@
 - stage: see bench/stage.py (a cold 4-node job's time and registry egress with
   the controller's stage hook and without, as ratios to one node's cold pull).
   Needs TFIMAGE_NODES=4 and a shaped registry (TFIMAGE_REGISTRY_RATE=200mbit).
+
+- fleet: see bench/fleet.py (a cold N-node job three ways: each node from the
+  registry, through the rack mirror, one pull down Slurm's tree; time until every
+  node holds the image and the registry's egress, as ratios to one node's pull).
+  Needs TFIMAGE_NODES=16 (--nodes) and a shaped registry.
 
 - launch: added cost of --tf-image on a step with a warm cache,
   `srun -N2 -n4 --tf-image=tiny:1.0 /bin/sh -c true` against the same srun without it,
@@ -86,11 +92,14 @@ def main() -> None:
     ap.add_argument(
         "what",
         nargs="?",
-        choices=("all", "launch", "pull", "gpu", "usage", "start", "stage"),
+        choices=("all", "launch", "pull", "gpu", "usage", "start", "stage", "fleet"),
         default="all",
     )
     ap.add_argument("--runs", type=int, default=0, help="runs per measurement")
-    ap.add_argument("--mib", type=int, default=512, help="stage: each image's size in MiB")
+    ap.add_argument(
+        "--mib", type=int, default=0, help="stage, fleet: each image's size in MiB (512, 1024)"
+    )
+    ap.add_argument("--nodes", type=int, default=16, help="fleet: the job's nodes")
     args = ap.parse_args()
     if args.what in ("all", "gpu"):
         import gpu
@@ -113,7 +122,12 @@ def main() -> None:
     if args.what == "stage":  # not in "all": it wants 4 nodes and a shaped link
         import stage
 
-        stage.main(env, args.mib)
+        stage.main(env, args.mib or 512)
+        return
+    if args.what == "fleet":  # not in "all": it wants 16 nodes and a shaped link
+        import fleet
+
+        fleet.main(env, args.nodes, args.mib or 1024)
         return
     if args.what in ("all", "pull"):
         import pull
