@@ -604,3 +604,34 @@ def test_the_daemon_ends_a_worker_past_its_time_and_never_fails_a_hook(tmp_path:
         daemon.kill()
         daemon.wait()
         shutil.rmtree(run, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("node", "served_by"), [("n2", "rack"), ("n9", "registry")])
+def test_the_prolog_asks_the_rack_mirror_of_the_node_slurm_names(
+    tls: Path,
+    tmp_path: Path,
+    make_sif: Callable[[dict[str, str]], Path],
+    node: str,
+    served_by: str,
+) -> None:
+    registry, rack = Server(tls), Server(tls)
+    try:
+        blob = make_sif({"etc/marker": node}).read_bytes()
+        registry.serve(blob)
+        rack.serve(blob)
+        cfg = hook_site(
+            tmp_path,
+            registry=registry.host,
+            ca_bundle=tls / "ca.crt",
+            credentials=tmp_path / "none.yaml",
+            rack_mirrors={"n[1-2]": [rack.host]},
+            pull_jitter=0.2,
+        )
+        argv = [f"--config={cfg}", "--job=7", "--image=x:1", f"--node={node}", "--nodes=n[2,9]"]
+        assert prolog(argv) == 0
+    finally:
+        registry.httpd.shutdown()
+        rack.httpd.shutdown()
+    host = rack.host if served_by == "rack" else registry.host
+    assert any(f" pulled from {host} in " in line for line in _log(tmp_path)), _log(tmp_path)
+    assert (rack.b.seen != []) == (served_by == "rack")
