@@ -126,7 +126,7 @@ def _job(env: dict[str, str], image: str, nodes: int) -> tuple[str, float]:
 def main(env: dict[str, str], nodes: int, mib: int) -> None:
     from stage import _egress, _image
 
-    names = env.get("TFIMAGE_NODE_NAMES", "").strip("\"").split()[:nodes]
+    names = env.get("TFIMAGE_NODE_NAMES", "").strip('"').split()[:nodes]
     if len(names) < nodes or env.get("TFIMAGE_STAGE") != "1" or not env.get("TFIMAGE_MIRROR"):
         sys.exit(
             f"bench: fleet needs {nodes} nodes, the rack mirror and the stage hook: "

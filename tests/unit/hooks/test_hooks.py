@@ -632,6 +632,12 @@ def test_the_prolog_asks_the_rack_mirror_of_the_node_slurm_names(
     finally:
         registry.httpd.shutdown()
         rack.httpd.shutdown()
+        # The image's shared mount outlives the job (the node's prune takes it).
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split()[4] for line in f]
+        for target in mounts:
+            if target.startswith(f"{tmp_path}/"):
+                subprocess.run(["umount", "-l", target], check=False)
     host = rack.host if served_by == "rack" else registry.host
     assert any(f" pulled from {host} in " in line for line in _log(tmp_path)), _log(tmp_path)
     assert (rack.b.seen != []) == (served_by == "rack")
