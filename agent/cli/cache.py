@@ -212,14 +212,17 @@ def _keep(args: argparse.Namespace, keep: bool) -> int:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    """For a timer: fetch every kept image (a kept tag that moved brings its new bytes)."""
+    """For a timer, and a new node before it takes jobs: fetch every kept image, the
+    site's (``keep_images``) and this node's (a kept tag that moved brings its new
+    bytes)."""
     from tfimage.agent.cache.keep import kept_refs, set_kept
 
     cache = _cache(args)
     pull = _puller(cache)
     failed = 0
     rows = []
-    for text in kept_refs(cache):
+    # The site's (config) and the operator's (this node's keep list), each once.
+    for text in dict.fromkeys((*cache.cfg.keep_images, *kept_refs(cache))):
         try:
             got = pull.ensure(cache.cfg.reference(text))
             assert got.ref.digest

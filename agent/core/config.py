@@ -138,6 +138,10 @@ class Config:
     # (stage/admincomment.py).
     stage: bool = False
     record_digest: bool = True
+    # Images every node keeps (never evicted) and `cache warm` fetches, besides the
+    # operator's own keep list on the node: what a new cloud node pulls before it
+    # takes jobs (its disk, and so its keep list, came empty).
+    keep_images: tuple[str, ...] = ()
     # The GPU gate (gpuconfig.py documents every key).
     gpu: GpuPolicy = field(default_factory=GpuPolicy)
     # The Slurm node this config is read on (the prolog's SLURMD_NODENAME): what
@@ -231,6 +235,7 @@ class Config:
 
 _TUPLES = {
     "mirrors",
+    "keep_images",
     "allowed_registries",
     "default_binds",
     "bind_prefixes",
@@ -380,6 +385,11 @@ def config_from_mapping(data: dict[str, Any], path: Path = DEFAULT_PATH) -> Conf
         value = getattr(cfg, key)
         if value is None or (value and not value.startswith("/")):
             raise ConfigError(f"{path}: '{key}' must be an absolute path, or \"\" for none")
+    for text in cfg.keep_images:
+        try:
+            cfg.reference(text)
+        except TfimageError as e:
+            raise ConfigError(f"{path}: 'keep_images': {e}") from None
     for rule in cfg.partitions:
         if rule.default_image:
             try:

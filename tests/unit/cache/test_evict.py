@@ -22,7 +22,7 @@ from tfimage.agent.cache.pull import Puller
 from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.cache.verify import verify
 from tfimage.agent.core.config import load_config
-from tfimage.agent.core.errors import CacheError
+from tfimage.agent.core.errors import CacheError, ConfigError
 
 DAY = 86400.0
 CLI = (sys.executable, "-m", "tfimage.main")
@@ -243,6 +243,33 @@ def test_keep_and_warm_follow_a_moved_tag(
     entries = json.loads(tfimage("ls", "--json").stdout)
     assert {e["digest"]: e["kept"] for e in entries}[new] is True
     assert len(entries) == 2  # the old bytes stay, kept too, until unkept
+
+
+def test_a_new_nodes_warm_fetches_and_keeps_the_sites_images_with_its_own(
+    registry: Registry, make_sif: Callable[[dict[str, str]], Path], tmp_path: Path
+) -> None:
+    """A cloud node's disk comes empty, keep list and all: the config's keep_images
+    are what it warms before it takes jobs, once each beside the node's own."""
+    up = registry.client()
+    site = up.push_sif("library/site", "1", make_sif({"v": "site"}))
+    own = up.push_sif("library/own", "1", make_sif({"v": "own"}))
+    cfg = registry.write_site(tmp_path)
+    cfg.write_text(cfg.read_text() + 'keep_images: ["site:1"]\n')
+    assert cache_cli(cfg, "keep", "own:1").returncode == 0
+    assert cache_cli(cfg, "rm", own).returncode != 0  # kept: rm refuses without --force
+    r = cache_cli(cfg, "warm", "--json")
+    assert r.returncode == 0, r.stderr
+    warmed = json.loads(r.stdout)
+    assert [w["ref"] for w in warmed] == ["site:1", f"{registry.host}/library/own:1"]
+    assert [w["digest"] for w in warmed] == [site, own]
+    entries = {e["digest"]: e["kept"] for e in json.loads(cache_cli(cfg, "ls", "--json").stdout)}
+    assert entries == {site: True, own: True}
+
+
+def test_a_keep_image_that_is_not_a_reference_is_one_config_line(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text('keep_images: ["Not A Name!"]\n')
+    with pytest.raises(ConfigError, match="'keep_images': "):
+        load_config(tmp_path / "config.yaml")
 
 
 def test_the_old_pin_spelling_is_refused_and_keep_is_named(
