@@ -57,6 +57,8 @@ DAEMON_ARGS=()  # more arguments for `tfimage daemon` (cluster.sh daemon NODE AR
 . "$REPO/deploy/local/accounting.sh"
 # shellcheck source=deploy/local/mirror.sh
 . "$REPO/deploy/local/mirror.sh"
+# shellcheck source=deploy/local/cloud.sh
+. "$REPO/deploy/local/cloud.sh"
 
 # Run a Slurm or munge program of the selected flavor.
 in_root() { if [ -n "$ROOT" ]; then chroot "$ROOT" "$@"; else "$@"; fi; }
@@ -72,14 +74,21 @@ esac
 case "$STAGE_ON" in 0 | 1) ;; *) die "TFIMAGE_STAGE must be 0 or 1, not '$STAGE_ON'" ;; esac
 case "$ACCOUNTING_ON" in 0 | 1) ;; *) die "TFIMAGE_ACCOUNTING must be 0 or 1, not '$ACCOUNTING_ON'" ;; esac
 case "$MIRROR_ON" in 0 | 1) ;; *) die "TFIMAGE_MIRROR must be 0 or 1, not '$MIRROR_ON'" ;; esac
-[ "$NODE_COUNT" -ge 4 ] || MIRROR_ON=0  # half the nodes behind it, half not
+case "$BURST_COUNT" in [0-8]) ;; *) die "TFIMAGE_BURST must be a number of cloud nodes from 0 to 8, not '$BURST_COUNT'" ;; esac
+[ "$BURST_COUNT" = 0 ] || [ "$FLAVOR" = host ] \
+    || die "TFIMAGE_BURST needs SLURM_FLAVOR=host: slurmctld runs the power programs in the other Slurm's tree"
+# Half the nodes behind it, half not; or the cloud nodes' region.
+[ "$NODE_COUNT" -ge 4 ] || [ "$BURST_COUNT" -gt 0 ] || MIRROR_ON=0
 [ -z "$REGISTRY_RATE" ] || [[ $REGISTRY_RATE =~ ^[1-9][0-9]{0,5}[kmg]?bit$ ]] \
     || die "TFIMAGE_REGISTRY_RATE must be a rate like 200mbit, not '$REGISTRY_RATE'"
 NODES=()
 for ((i = 1; i <= NODE_COUNT; i++)); do NODES+=("n$i"); done
 
-node_addr() { # n1 -> .11
-    echo "$NET.$((10 + ${1#n}))"
+node_addr() { # n1 -> .11, c1 (a cloud node) -> .101
+    case "$1" in
+        c*) echo "$NET.$((100 + ${1#c}))" ;;
+        *) echo "$NET.$((10 + ${1#n}))" ;;
+    esac
 }
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -138,8 +147,9 @@ stop_pid() { # PIDFILE: TERM, then KILL after 5 s; by PID, never by name
 
 # The nodes the running cluster was brought up with (an `up` of another size first
 # takes down all of those), else this run's.
-up_nodes() {
+up_nodes() { # the on-premises nodes, then the cloud nodes (cloud.sh), up or not
     if [ -s "$RUN/nodes" ]; then cat "$RUN/nodes"; else printf '%s\n' "${NODES[@]}"; fi
+    cat "$RUN/cloud-nodes" 2>/dev/null || true
 }
 
 down() {
@@ -182,7 +192,7 @@ down() {
         rm -f "$RUN/lo-shaped"
     fi
     hosts_entries remove
-    rm -f "$ENV_FILE" "$RUN/nodes"
+    rm -f "$ENV_FILE" "$RUN/nodes" "$RUN/cloud-nodes"
     log "down"
 }
 
@@ -194,7 +204,7 @@ hosts_entries() { # add|remove the cluster's names in /etc/hosts, in place
     grep -v '# tfimage-local$' /etc/hosts >"$tmp" || true
     if [ "$1" = add ]; then
         echo "$CTL_ADDR tfctl # tfimage-local" >>"$tmp"
-        for n in "${NODES[@]}"; do echo "$(node_addr "$n") $n # tfimage-local" >>"$tmp"; done
+        for n in "${NODES[@]}" $(burst_nodes); do echo "$(node_addr "$n") $n # tfimage-local" >>"$tmp"; done
     fi
     cat "$tmp" >/etc/hosts   # /etc/hosts may be a bind mount: rewrite, don't rename
     rm -f "$tmp"
@@ -211,21 +221,25 @@ setup_user() {
 
 net() { "$@" || die "network: '$*' failed"; }
 
+node_network() { # NODE: its namespace, on the bridge at node_addr
+    local n=$1
+    net ip netns add "$n"
+    ip link del "veth-$n" 2>/dev/null || true
+    net ip link add "veth-$n" type veth peer name eth0 netns "$n"
+    net ip link set "veth-$n" master "$BRIDGE" up
+    net ip -n "$n" addr add "$(node_addr "$n")/24" dev eth0
+    net ip -n "$n" link set lo up
+    net ip -n "$n" link set eth0 up
+    net ip -n "$n" route add default via "$CTL_ADDR"
+}
+
 setup_network() {
     net ip link add "$BRIDGE" type bridge
     net ip addr add "$CTL_ADDR/24" dev "$BRIDGE"
     net ip link set "$BRIDGE" up
-    for n in "${NODES[@]}"; do
-        net ip netns add "$n"
-        ip link del "veth-$n" 2>/dev/null || true
-        net ip link add "veth-$n" type veth peer name eth0 netns "$n"
-        net ip link set "veth-$n" master "$BRIDGE" up
-        net ip -n "$n" addr add "$(node_addr "$n")/24" dev eth0
-        net ip -n "$n" link set lo up
-        net ip -n "$n" link set eth0 up
-        net ip -n "$n" route add default via "$CTL_ADDR"
-    done
+    for n in "${NODES[@]}"; do node_network "$n"; done
     printf '%s\n' "${NODES[@]}" >"$RUN/nodes"
+    burst_nodes >"$RUN/cloud-nodes"
     hosts_entries add
     shape_registry
 }
@@ -442,6 +456,7 @@ InactiveLimit=0
 MinJobAge=300
 $(slurm_conf_accounting)
 $nodes
+$(slurm_conf_cloud)
 # debug: the first two nodes whatever TFIMAGE_NODES is, so that a -N2 job lands on n1
 # and n2 as the tests expect; all: every node (jobs on more, the fleet's benches).
 PartitionName=debug Nodes=${NODES[0]},${NODES[1]} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
@@ -594,6 +609,7 @@ tfimage_registry_credentials:
     password: "$(cat "$STATE/pki/team-a.password")"
 $(mirror_credentials)
 $(mirror_role_vars)
+$(cloud_role_vars)
 # team-a's project is team-a's: only Unix group team-a runs it (TEST_USER is in it,
 # TEST_USER2 is not).
 tfimage_access: {"$TEAM/*": ["@$TEAM"]}
@@ -685,6 +701,74 @@ run_daemon() {
     die "$what did not start"
 }
 
+# start_node NODE: its slurmd, in the namespaces node_network made, and its daemon.
+start_node() {
+    local n=$1
+    local nd=$STATE/nodes/$n
+    # node_exporter's textfile directory: this cluster's metrics alone
+    rm -rf "$nd/metrics"
+    mkdir -p "$STATE/spool/$n" "$nd/cache" "$nd/run" "$nd/log" "$nd/metrics" "$nd/dev"
+    # As the role makes it: the controller's sbcast writes there as the job's user.
+    mkdir -p "$nd/cache/staged"
+    chown root:root "$nd/cache/staged"
+    chmod 1733 "$nd/cache/staged"
+    # Own network, hostname and mounts: cache, /run state and /dev (with the
+    # node's GPUs: node_dev) really are per node.
+    : >"$LOGS/slurmd-$n.log"
+    # In the foreground under setsid: nsenter, unshare and sh all exec, so $! is
+    # slurmd itself, known at once whatever the Slurm version does with pid files.
+    # A step that fails stops it there: no slurmd on a half-made node.
+    local script="set -e
+hostname $n
+$(node_dev "$nd/dev" "$ROOT/dev")
+mount --bind $nd/cache $ROOT/var/cache/tfimage
+mount -t tmpfs -o mode=0755 tmpfs $ROOT/run/tfimage
+mount --bind $nd/log $ROOT/var/log/tfimage
+mount --bind $nd/metrics $ROOT/var/lib/prometheus/node-exporter"
+    case "$n" in c[0-9]*)  # a cloud node (cloud.sh) has the site's images before it registers
+        script+="
+$PREFIX/bin/tfimage --config $ETC/tfimage/config.yaml cache warm >>$LOGS/power.log 2>&1 \\
+    || echo 'warm: $n: some kept images could not be fetched; the jobs pull them' >>$LOGS/power.log" ;;
+    esac
+    if [ -n "$ROOT" ]; then
+        # The other Slurm's tree becomes the real root of this node's mount
+        # namespace (pivot_root, not chroot): the kernel refuses user namespaces,
+        # which ch-run needs, to a chrooted process.
+        script+="
+mount --rbind $ROOT $ROOT
+cd $ROOT
+pivot_root . .oldroot
+exec chroot . sh -c 'umount -l /.oldroot && exec slurmd -D -N $n'"
+    else
+        script+="
+exec slurmd -D -N $n"
+    fi
+    # A cloud node boots when resumed: slurmctld takes its registration only with a
+    # boot time after the resume request ("Still waiting for boot of node"), so it
+    # gets a clock of its own that booted just now (a time namespace; unshare then
+    # forks, and takes slurmd with it).
+    local boot=()
+    case "$n" in c[0-9]*) boot=(--time --boottime "-$(cut -d. -f1 /proc/uptime)" --kill-child) ;; esac
+    SLURM_CONF=$ETC/slurm.conf LD_LIBRARY_PATH=$STATE/gpu/lib setsid nsenter --net="/run/netns/$n" \
+        unshare --uts --mount --propagation private "${boot[@]}" sh -c "$script" \
+        >>"$LOGS/slurmd-$n.out" 2>&1 </dev/null &
+    echo $! >"$RUN/slurmd-$n.pid"
+    for _ in $(seq 100); do
+        grep -q "slurmd version .* started" "$LOGS/slurmd-$n.log" 2>/dev/null && break
+        alive "$RUN/slurmd-$n.pid" || break
+        sleep 0.1
+    done
+    alive "$RUN/slurmd-$n.pid" || {
+        tail -n 5 "$LOGS/slurmd-$n.out" "$LOGS/slurmd-$n.log" >&2
+        die "slurmd $n did not start"
+    }
+    local ns
+    ns=$(readlink "/proc/$(cat "$RUN/slurmd-$n.pid")/ns/mnt")
+    [ "$ns" != "$(readlink /proc/self/ns/mnt)" ] || die "slurmd $n is not in a mount namespace of its own"
+    echo "$ns" >"$RUN/$n.mntns"
+    start_daemon "$n"
+}
+
 start_slurm() {
     # A fresh controller state each time: the two Slurm generations write it differently.
     # Job ids start again at 1 with a fresh slurmctld state: the nodes' spools must go
@@ -699,63 +783,12 @@ start_slurm() {
     start_accounting
     SLURM_CONF=$ETC/slurm.conf in_root slurmctld -i \
         || die "slurmctld did not start: $(tail -1 "$LOGS/slurmctld.log" 2>/dev/null)"
-    for n in "${NODES[@]}"; do
-        local nd=$STATE/nodes/$n
-        # node_exporter's textfile directory: this cluster's metrics alone
-        rm -rf "$nd/metrics"
-        mkdir -p "$STATE/spool/$n" "$nd/cache" "$nd/run" "$nd/log" "$nd/metrics" "$nd/dev"
-        # As the role makes it: the controller's sbcast writes there as the job's user.
-        mkdir -p "$nd/cache/staged"
-        chown root:root "$nd/cache/staged"
-        chmod 1733 "$nd/cache/staged"
-        # Own network, hostname and mounts: cache, /run state and /dev (with the
-        # node's GPUs: node_dev) really are per node.
-        : >"$LOGS/slurmd-$n.log"
-        # In the foreground under setsid: nsenter, unshare and sh all exec, so $! is
-        # slurmd itself, known at once whatever the Slurm version does with pid files.
-        # A step that fails stops it there: no slurmd on a half-made node.
-        local script="set -e
-hostname $n
-$(node_dev "$nd/dev" "$ROOT/dev")
-mount --bind $nd/cache $ROOT/var/cache/tfimage
-mount -t tmpfs -o mode=0755 tmpfs $ROOT/run/tfimage
-mount --bind $nd/log $ROOT/var/log/tfimage
-mount --bind $nd/metrics $ROOT/var/lib/prometheus/node-exporter"
-        if [ -n "$ROOT" ]; then
-            # The other Slurm's tree becomes the real root of this node's mount
-            # namespace (pivot_root, not chroot): the kernel refuses user namespaces,
-            # which ch-run needs, to a chrooted process.
-            script+="
-mount --rbind $ROOT $ROOT
-cd $ROOT
-pivot_root . .oldroot
-exec chroot . sh -c 'umount -l /.oldroot && exec slurmd -D -N $n'"
-        else
-            script+="
-exec slurmd -D -N $n"
-        fi
-        SLURM_CONF=$ETC/slurm.conf LD_LIBRARY_PATH=$STATE/gpu/lib setsid nsenter --net="/run/netns/$n" \
-            unshare --uts --mount --propagation private sh -c "$script" \
-            >>"$LOGS/slurmd-$n.out" 2>&1 </dev/null &
-        echo $! >"$RUN/slurmd-$n.pid"
-        for _ in $(seq 100); do
-            grep -q "slurmd version .* started" "$LOGS/slurmd-$n.log" 2>/dev/null && break
-            alive "$RUN/slurmd-$n.pid" || break
-            sleep 0.1
-        done
-        alive "$RUN/slurmd-$n.pid" || {
-            tail -n 5 "$LOGS/slurmd-$n.out" "$LOGS/slurmd-$n.log" >&2
-            die "slurmd $n did not start"
-        }
-        local ns
-        ns=$(readlink "/proc/$(cat "$RUN/slurmd-$n.pid")/ns/mnt")
-        [ "$ns" != "$(readlink /proc/self/ns/mnt)" ] || die "slurmd $n is not in a mount namespace of its own"
-        echo "$ns" >"$RUN/$n.mntns"
-        start_daemon "$n"
-    done
+    for n in "${NODES[@]}"; do start_node "$n"; done
     export SLURM_CONF=$ETC/slurm.conf
     for _ in $(seq 150); do
-        if [ "$(in_root sinfo -h -o '%t' 2>/dev/null | sort -u | tr -d '\n')" = idle ]; then
+        # The on-premises nodes: cloud ones stay powered down (idle~) until a job.
+        if [ "$(in_root sinfo -h -n "$(IFS=,; echo "${NODES[*]}")" -o '%t' 2>/dev/null \
+            | sort -u | tr -d '\n')" = idle ]; then
             return 0
         fi
         sleep 0.2
@@ -790,7 +823,8 @@ export TFIMAGE_NODE_NAMES="${NODES[*]}"
 export TFIMAGE_REGISTRY_RATE=$REGISTRY_RATE
 export TFIMAGE_STAGE=$([ "$STAGE_ON" = 0 ] && echo 0 || echo 1)
 export TFIMAGE_MIRROR=$([ "$MIRROR_ON" = 1 ] && echo "$MIRROR" || true)
-export TFIMAGE_MIRROR_NODES=$([ "$MIRROR_ON" = 1 ] && mirror_nodes || true)
+export TFIMAGE_MIRROR_NODES=$([ "$MIRROR_ON" = 1 ] && [ "$NODE_COUNT" -ge 4 ] && mirror_nodes || true)
+export TFIMAGE_BURST_NODES="$(burst_nodes | tr '\n' ' ' | sed 's/ $//')"
 ENV
 }
 
@@ -812,6 +846,7 @@ up() {
     start_registry
     install_tfimage
     write_site
+    write_power_programs
     write_role_vars
     deploy_role
     start_slurm
@@ -843,6 +878,9 @@ case "${1:-}" in
             start) start_slurmdbd ;;
             *) echo "usage: cluster.sh slurmdbd stop|start" >&2; exit 2 ;;
         esac ;;
+    resume|suspend)  # HOSTLIST: Slurm's ResumeProgram and SuspendProgram (cloud.sh)
+        [ ! -f "$RUN/chroot.root" ] || ROOT=$(cat "$RUN/chroot.root")
+        "${1}_nodes" "${2:?hostlist}" ;;
     mirror)  # stop|start the running cluster's rack mirror (mirror.sh), as a
         # rack switch's failure would
         case "${2:-}" in
@@ -855,5 +893,5 @@ case "${1:-}" in
         # In the running cluster's tree, whatever SLURM_FLAVOR says now.
         [ ! -f "$RUN/chroot.root" ] || ROOT=$(cat "$RUN/chroot.root")
         if [ "${2:?node}" = login ]; then start_login_daemon "${@:3}"; else start_daemon "$2" "${@:3}"; fi ;;
-    *) echo "usage: cluster.sh up|down|status|daemon NODE|login [DAEMON ARGS...]|slurmdbd stop|start|mirror stop|start" >&2; exit 2 ;;
+    *) echo "usage: cluster.sh up|down|status|daemon NODE|login [DAEMON ARGS...]|slurmdbd stop|start|mirror stop|start|resume|suspend HOSTLIST" >&2; exit 2 ;;
 esac

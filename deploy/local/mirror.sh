@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # The local cluster's rack mirror: Debian's docker-registry in proxy mode (a
 # pull-through cache) behind Debian's nginx, the first mirror of the upper half of
-# the nodes when there are at least four (TFIMAGE_MIRROR=0: none).  Sourced by
+# the nodes when there are at least four, and of the cloud nodes (cloud.sh) as their
+# region's replica (TFIMAGE_MIRROR=0: none).  Sourced by
 # cluster.sh, which calls start_mirror after the registry and stop_mirror before it.
 #
 #   n1 .. n(N/2)        ask $REGISTRY (nginx, shaped: the site's uplink)
@@ -103,7 +104,7 @@ NGINX
         front=$(curl -s -o /dev/null -w '%{http_code}' --cacert "$STATE/pki/ca.crt" \
             "https://$MIRROR/v2/" || true)
         if [ "$up" = 200 ] && [ "$front" = 401 ]; then
-            log "rack mirror $MIRROR for $(mirror_nodes)"
+            log "rack mirror $MIRROR up"
             return 0
         fi
         sleep 0.1
@@ -121,7 +122,11 @@ stop_mirror() {
 # credential they show it (the site robot's, as the mirror's htpasswd has it).
 mirror_role_vars() {
     [ "$MIRROR_ON" = 1 ] || return 0
-    printf 'tfimage_rack_mirrors: {"%s": ["%s"]}\n' "$(mirror_nodes)" "$MIRROR"
+    local groups=()
+    [ "$NODE_COUNT" -lt 4 ] || groups+=("\"$(mirror_nodes)\": [\"$MIRROR\"]")
+    # The cloud nodes' region replica (cloud.sh): the same mirror stands for it here.
+    [ "$BURST_COUNT" = 0 ] || groups+=("\"$(burst_hostlist)\": [\"$MIRROR\"]")
+    printf 'tfimage_rack_mirrors: {%s}\n' "$(IFS=,; echo "${groups[*]}")"
 }
 
 mirror_credentials() {
