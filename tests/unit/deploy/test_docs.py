@@ -98,7 +98,7 @@ def test_every_relative_link_leads_to_a_file() -> None:
 def test_the_front_page_is_short_and_links_every_guide() -> None:
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 100
-    for guide in ("user", "admin", "operator", "developer", "config", "cli", "scale"):
+    for guide in ("user", "admin", "operator", "developer", "config", "cli", "scale", "hybrid"):
         assert f"(docs/{guide}.md)" in readme
 
 
