@@ -7,6 +7,7 @@ Hooks are told the path explicitly; nothing here reads a job's environment.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import stat
@@ -168,6 +169,12 @@ class Config:
     def node_mirrors(self) -> tuple[str, str, tuple[str, ...]]:
         """This node's name, the hostlist of its group ("" for none) and its rack
         mirrors."""
+        return self._node_tier
+
+    @functools.cached_property
+    def _node_tier(self) -> tuple[str, str, tuple[str, ...]]:
+        # Once per config (on_node makes another): a pull asks it for its sources and
+        # again for each host that fails, and each ask expanded the groups' hostlists.
         node = self.node_name or this_node()
         return (node, *for_node(self.rack_mirrors, node))
 
