@@ -113,10 +113,7 @@ suspend_nodes() { # HOSTLIST
         stop_pid "$RUN/daemon-$n.pid"
         stop_pid "$RUN/slurmd-$n.pid"
         kill_ns_procs "$n"
-        kill_netns_procs "$n"
-        ip netns del "$n" 2>/dev/null || true
-        for _ in $(seq 50); do ip link show "veth-$n" >/dev/null 2>&1 || break; sleep 0.1; done
-        ip link del "veth-$n" 2>/dev/null || true
+        node_network_gone "$n"
         # Its disk goes with the instance.
         rm -rf "$STATE/nodes/$n/cache"
         power_log "suspend $n: down, its cache removed"

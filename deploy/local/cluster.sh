@@ -178,14 +178,7 @@ down() {
         done
         rm -f "$RUN/chroot.root"
     fi
-    for n in "${was[@]}"; do
-        kill_netns_procs "$n"
-        ip netns del "$n" 2>/dev/null || true
-        # The host end goes with the namespace, but asynchronously; the next
-        # `up` must not find it ("RTNETLINK answers: File exists").
-        for _ in $(seq 50); do ip link show "veth-$n" >/dev/null 2>&1 || break; sleep 0.1; done
-        ip link del "veth-$n" 2>/dev/null || true
-    done
+    for n in "${was[@]}"; do node_network_gone "$n"; done
     ip link del "$BRIDGE" 2>/dev/null || true  # and its qdisc (shape_registry)
     if [ -f "$RUN/lo-shaped" ]; then
         tc qdisc del dev lo root 2>/dev/null || true
@@ -231,6 +224,15 @@ node_network() { # NODE: its namespace, on the bridge at node_addr
     net ip -n "$n" link set lo up
     net ip -n "$n" link set eth0 up
     net ip -n "$n" route add default via "$CTL_ADDR"
+}
+
+node_network_gone() { # NODE: what is left in its namespace killed, and the namespace
+    kill_netns_procs "$1"
+    ip netns del "$1" 2>/dev/null || true
+    # The host end goes with the namespace, but asynchronously; the next
+    # `up` must not find it ("RTNETLINK answers: File exists").
+    for _ in $(seq 50); do ip link show "veth-$1" >/dev/null 2>&1 || break; sleep 0.1; done
+    ip link del "veth-$1" 2>/dev/null || true
 }
 
 setup_network() {

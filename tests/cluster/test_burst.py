@@ -21,14 +21,6 @@ from support import wait_for
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture(autouse=True)
-def cloud(cluster: Cluster) -> list[str]:
-    names = cluster.env.get("TFIMAGE_BURST_NODES", "").strip('"').split()
-    if len(names) < 2:
-        pytest.skip("the cluster has no cloud nodes (TFIMAGE_BURST=2 make cluster-up; CI's has)")
-    return names
-
-
 @pytest.fixture(scope="module", autouse=True)
 def c2_without_capacity(cluster: Cluster) -> Iterator[str]:
     """A job for c2, whose resume fails (cloud.sh's switch), submitted first: its

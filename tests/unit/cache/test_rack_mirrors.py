@@ -41,27 +41,18 @@ def on_node(tmp_path: Path, tls: Path, registry: Server, rack: Server, node: str
     return Puller(ImageCache(cfg), lambda host: client_for(cfg, host, light=True))
 
 
-def test_a_node_in_the_rack_pulls_from_its_mirror_and_never_asks_the_registry(
-    site: tuple[Server, Server], tmp_path: Path, tls: Path, blob: bytes
+@pytest.mark.parametrize(("node", "in_rack"), [("n2", True), ("n3", False)])
+def test_a_node_asks_its_racks_mirror_alone_and_a_node_outside_every_rack_never_does(
+    site: tuple[Server, Server], tmp_path: Path, tls: Path, blob: bytes, node: str, in_rack: bool
 ) -> None:
     registry, rack = site
     registry.serve(blob)
     rack.serve(blob)
-    pull = on_node(tmp_path, tls, registry, rack, "n2")
+    pull = on_node(tmp_path, tls, registry, rack, node)
     got = pull.ensure(pull.cfg.reference("x:1"))
-    assert got.source == rack.host and got.path.read_bytes() == blob
-    assert registry.b.seen == []
-
-
-def test_a_node_outside_every_rack_never_asks_a_rack_mirror(
-    site: tuple[Server, Server], tmp_path: Path, tls: Path, blob: bytes
-) -> None:
-    registry, rack = site
-    registry.serve(blob)
-    rack.serve(blob)
-    pull = on_node(tmp_path, tls, registry, rack, "n3")
-    assert pull.ensure(pull.cfg.reference("x:1")).source == registry.host
-    assert rack.b.seen == []
+    served, unasked = (rack, registry) if in_rack else (registry, rack)
+    assert got.source == served.host and got.path.read_bytes() == blob
+    assert unasked.b.seen == []
 
 
 @pytest.mark.parametrize(
