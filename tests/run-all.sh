@@ -75,7 +75,7 @@ slowest() { # NAME LOG: the slowest tests pytest's --durations section lists
 THIS=$(. /etc/os-release && echo "$VERSION_CODENAME")
 
 mkdir -p build
-rm -f build/test-summary.txt
+rm -f build/test-summary.txt build/figures.txt
 # Strict mode reaches every pytest run, and the other host's run (other-host.sh).
 STRICT=0
 if [ "${TFIMAGE_STRICT:-}" = 1 ] || [ "${CI:-}" = true ]; then
@@ -181,6 +181,9 @@ line=$(host_summary "$THIS" "$HOST_SLURM" "$UNIT_PASSED" "$UNIT_SKIPPED" "${TIER
 echo "$line" >build/test-summary.txt
 echo
 echo "tests: times: $(IFS=,; echo "${TIMES[*]}" | sed 's/,/, /g'); $(fmt $((SECONDS - T_ALL))) in all"
+# What tests measured for the closing notes (tests/support.py's report_figure).
+[ ! -s build/figures.txt ] || sed 's/^/tests: figure: /' build/figures.txt
+[ "$OTHER_RAN" = 0 ] || grep '^tests: figure: ' build/other-host/run-all.log | sed 's/^tests: figure: /tests: other host figure: /'
 echo "tests: $line"
 [ -z "$OTHER_LINE" ] || echo "tests: $OTHER_LINE"
 echo "tests: all passed"

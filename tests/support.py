@@ -342,3 +342,15 @@ def wait_for(
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what or check}")
         time.sleep(interval)
+
+
+FIGURES = Path(__file__).resolve().parent.parent / "build" / "figures.txt"
+
+
+def report_figure(line: str) -> None:
+    """Keep a measurement a closing note quotes (``build/figures.txt``): run-all.sh
+    prints each at its end, so a CI log, this host's or the other's, carries them
+    where pytest -q would have hidden a print."""
+    FIGURES.parent.mkdir(parents=True, exist_ok=True)
+    with FIGURES.open("a") as f:
+        f.write(line.replace("\n", " ").strip() + "\n")
