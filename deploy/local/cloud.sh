@@ -4,9 +4,9 @@
 # them and SuspendProgram when they have been idle SuspendTime seconds; the
 # on-premises nodes are never suspended (SuspendExcNodes).  Sourced by cluster.sh.
 #
-#   resume c1     a fresh network namespace and slurmd for c1, its cache empty, set
-#                 up by the role every node has; its first mirror is the region's
-#                 (mirror.sh: rack_mirrors names the cloud nodes too)
+#   resume c1     a fresh network namespace and slurmd for c1, its cache empty, its
+#                 tfimage from the cloud image the role baked (below); its first
+#                 mirror is the region's ($REGION, mirror.sh's second instance)
 #   suspend c1    slurmd stopped, the namespace gone, and its cache with it, as a
 #                 cloud instance's disk goes
 #
@@ -18,6 +18,11 @@ BURST_COUNT=${TFIMAGE_BURST:-0}  # checked by cluster.sh
 # Short here, for the tests; a site's is minutes (a cloud bills by the hour).
 SUSPEND_TIME=${TFIMAGE_SUSPEND_TIME:-10}
 RESUME_TIMEOUT=${TFIMAGE_RESUME_TIMEOUT:-30}
+# The cloud region's registry replica: a pull-through mirror of its own (mirror.sh),
+# so that a burst of B nodes costs the site's registry one copy of an image, and
+# the rack mirror none.
+REGION=$CTL_ADDR:5447
+REGION_UPSTREAM=127.0.0.1:5448
 
 burst_nodes() {
     local i
@@ -49,6 +54,16 @@ CONF
     echo "PartitionName=burst Nodes=$(burst_hostlist) MaxTime=INFINITE State=UP OverSubscribe=YES"
 }
 
+start_region() {
+    [ "$BURST_COUNT" -gt 0 ] || return 0
+    start_pull_through region "$REGION" "$REGION_UPSTREAM" "region mirror"
+}
+
+stop_region() {
+    stop_pid "$RUN/region.pid"
+    stop_pid "$RUN/region-registry.pid"
+}
+
 # The programs slurmctld runs: a clean environment, this harness, one log.
 write_power_programs() {
     [ "$BURST_COUNT" -gt 0 ] || return 0
@@ -63,6 +78,55 @@ exec env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin TFIMAGE_LOCAL_STATE=$STATE \\
     bash $REPO/deploy/local/cluster.sh $what "\$1" >>$LOGS/power.log 2>&1
 SH
         chmod 0755 "$STATE/bin/tfimage-$what"
+    done
+}
+
+# The cloud image: what a site bakes once (Packer, or its cloud's image builder) with
+# the role its other nodes get, and every cloud node boots from.  Here the role runs
+# in a mount namespace of its own where tfimage's prefix, its config directory, the
+# plugin's directory and its build directory are the image's, empty at first: the
+# image has nothing of the on-premises nodes' install.  Resuming a node copies the
+# image onto its disk ($STATE/nodes/NODE/image), which start_node mounts over those
+# paths in the node's own mount namespace.
+CLOUD_IMAGE_DIRS=(prefix config plugin build)
+
+cloud_image_paths() { # the paths the image's directories stand in for, in that order
+    echo "$PREFIX" "$ETC/tfimage" "$STATE/lib" "$STATE/spank-build"
+}
+
+bake_cloud_image() {
+    [ "$BURST_COUNT" -gt 0 ] || return 0
+    local img=$STATE/cloud/image t0=$SECONDS d mounts="" i=0 paths
+    rm -rf "$img"
+    read -ra paths <<<"$(cloud_image_paths)"
+    for d in "${CLOUD_IMAGE_DIRS[@]}"; do
+        mkdir -p "$img/$d" "${paths[i]}"
+        mounts+="mount --bind $img/$d ${paths[i]}; "
+        i=$((i + 1))
+    done
+    unshare --mount --propagation private sh -ec "${mounts}exec bash $REPO/deploy/local/role.sh apply" \
+        >"$LOGS/cloud-image.log" 2>&1 </dev/null \
+        || { tail -40 "$LOGS/cloud-image.log" >&2; die "baking the cloud image failed (log: $LOGS/cloud-image.log)"; }
+    [ -x "$img/prefix/bin/tfimage" ] && [ -f "$img/plugin/spank_tfimage.so" ] \
+        || die "the cloud image has no tfimage or no plugin (log: $LOGS/cloud-image.log)"
+    log "cloud image baked by the role in $((SECONDS - t0)) s: $(grep -E '^localhost +:' "$LOGS/cloud-image.log" | tr -s ' ')"
+}
+
+# start_node's lines for a cloud node: its copy of the image over the paths it
+# stands in for (a plugin file at a time: the site's plugins stay beside it).
+cloud_image_mounts() { # NODE_DIR
+    local nd=$1 d i=0 paths f
+    read -ra paths <<<"$(cloud_image_paths)"
+    for d in "${CLOUD_IMAGE_DIRS[@]}"; do
+        case "$d" in
+            build) ;;  # only the bake builds
+            plugin)
+                for f in "$nd/image/plugin"/*; do
+                    echo "mount --bind $f ${paths[i]}/${f##*/}"
+                done ;;
+            *) echo "mount --bind $nd/image/$d ${paths[i]}" ;;
+        esac
+        i=$((i + 1))
     done
 }
 
@@ -94,8 +158,12 @@ resume_nodes() { # HOSTLIST
         if ! ip netns list | grep -qw "^$n"; then
             (node_network "$n") || { power_log "resume $n: no network"; status=1; continue; }
         fi
-        # A new instance's disk: nothing cached, nothing kept.
-        rm -rf "$STATE/nodes/$n/cache"
+        # A new instance's disk: nothing cached, nothing kept, tfimage as the image has it.
+        rm -rf "$STATE/nodes/$n/cache" "$STATE/nodes/$n/image"
+        mkdir -p "$STATE/nodes/$n/image"
+        cp -a "$STATE/cloud/image/prefix" "$STATE/cloud/image/config" "$STATE/cloud/image/plugin" \
+            "$STATE/nodes/$n/image/" \
+            || { power_log "resume $n: its disk could not be made"; status=1; continue; }
         (start_node "$n") || { power_log "resume $n: slurmd did not start"; status=1; continue; }
         power_log "resume $n: up in $((SECONDS - started)) s"
     done
@@ -115,7 +183,7 @@ suspend_nodes() { # HOSTLIST
         kill_ns_procs "$n"
         node_network_gone "$n"
         # Its disk goes with the instance.
-        rm -rf "$STATE/nodes/$n/cache"
+        rm -rf "$STATE/nodes/$n/cache" "$STATE/nodes/$n/image"
         power_log "suspend $n: down, its cache removed"
     done
 }

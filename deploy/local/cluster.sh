@@ -7,7 +7,9 @@
 #                     namespace (and its own /dev, with four fake GPUs in it);
 #                     tfimage installed and wired in; images pushed.
 #                     With 4 nodes or more, a rack mirror for the upper half
-#                     (mirror.sh; TFIMAGE_MIRROR=0: none).
+#                     (mirror.sh; TFIMAGE_MIRROR=0: none).  TFIMAGE_BURST=B adds
+#                     cloud nodes c1..cB, powered by Slurm, with their region's
+#                     mirror and an image the role baked (cloud.sh).
 #   cluster.sh down   stops all of it: no process, mount, namespace or link left.
 #   cluster.sh status
 #   cluster.sh daemon N  start node N's (or `login`: this host's) tfimage daemon
@@ -77,8 +79,8 @@ case "$MIRROR_ON" in 0 | 1) ;; *) die "TFIMAGE_MIRROR must be 0 or 1, not '$MIRR
 case "$BURST_COUNT" in [0-8]) ;; *) die "TFIMAGE_BURST must be a number of cloud nodes from 0 to 8, not '$BURST_COUNT'" ;; esac
 [ "$BURST_COUNT" = 0 ] || [ "$FLAVOR" = host ] \
     || die "TFIMAGE_BURST needs SLURM_FLAVOR=host: slurmctld runs the power programs in the other Slurm's tree"
-# Half the nodes behind it, half not; or the cloud nodes' region.
-[ "$NODE_COUNT" -ge 4 ] || [ "$BURST_COUNT" -gt 0 ] || MIRROR_ON=0
+# Half the nodes behind the rack mirror, half not (the cloud nodes have their region's).
+[ "$NODE_COUNT" -ge 4 ] || MIRROR_ON=0
 [ -z "$REGISTRY_RATE" ] || [[ $REGISTRY_RATE =~ ^[1-9][0-9]{0,5}[kmg]?bit$ ]] \
     || die "TFIMAGE_REGISTRY_RATE must be a rate like 200mbit, not '$REGISTRY_RATE'"
 NODES=()
@@ -167,6 +169,7 @@ down() {
     stop_pid "$RUN/slurmctld.pid"
     stop_accounting
     stop_mirror
+    stop_region
     stop_proxy
     stop_pid "$RUN/registry.pid"
     stop_pid "$RUN/munged.pid"
@@ -352,7 +355,7 @@ YML
     echo $! >"$RUN/registry.pid"
     for _ in $(seq 100); do
         code=$(curl -s -o /dev/null -w '%{http_code}' "http://$UPSTREAM/v2/" || true)
-        [ "$code" = 200 ] && { start_proxy; start_mirror; return 0; }
+        [ "$code" = 200 ] && { start_proxy; start_mirror; start_region; return 0; }
         sleep 0.1
     done
     tail -5 "$LOGS/registry.log" >&2
@@ -727,8 +730,10 @@ mount --bind $nd/cache $ROOT/var/cache/tfimage
 mount -t tmpfs -o mode=0755 tmpfs $ROOT/run/tfimage
 mount --bind $nd/log $ROOT/var/log/tfimage
 mount --bind $nd/metrics $ROOT/var/lib/prometheus/node-exporter"
-    case "$n" in c[0-9]*)  # a cloud node (cloud.sh) has the site's images before it registers
+    case "$n" in c[0-9]*)  # a cloud node (cloud.sh): tfimage from its image, and the
+        # site's images before it registers
         script+="
+$(cloud_image_mounts "$nd")
 $PREFIX/bin/tfimage --config $ETC/tfimage/config.yaml cache warm >>$LOGS/power.log 2>&1 \\
     || echo 'warm: $n: some kept images could not be fetched; the jobs pull them' >>$LOGS/power.log" ;;
     esac
@@ -826,6 +831,7 @@ export TFIMAGE_REGISTRY_RATE=$REGISTRY_RATE
 export TFIMAGE_STAGE=$([ "$STAGE_ON" = 0 ] && echo 0 || echo 1)
 export TFIMAGE_MIRROR=$([ "$MIRROR_ON" = 1 ] && echo "$MIRROR" || true)
 export TFIMAGE_MIRROR_NODES=$([ "$MIRROR_ON" = 1 ] && [ "$NODE_COUNT" -ge 4 ] && mirror_nodes || true)
+export TFIMAGE_REGION=$([ "$BURST_COUNT" = 0 ] || echo "$REGION")
 export TFIMAGE_BURST_NODES="$(burst_nodes | tr '\n' ' ' | sed 's/ $//')"
 ENV
 }
@@ -851,6 +857,7 @@ up() {
     write_power_programs
     write_role_vars
     deploy_role
+    bake_cloud_image
     start_slurm
     start_login_daemon
     push_images
@@ -863,7 +870,7 @@ up() {
 status() {
     local was
     mapfile -t was < <(up_nodes)
-    for f in munged registry proxy mirror mariadb slurmdbd slurmctld daemon-login "${was[@]/#/slurmd-}"; do
+    for f in munged registry proxy mirror region mariadb slurmdbd slurmctld daemon-login "${was[@]/#/slurmd-}"; do
         if alive "$RUN/$f.pid"; then echo "$f: running"; else echo "$f: stopped"; fi
     done
 }

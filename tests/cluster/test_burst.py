@@ -1,6 +1,7 @@
 """Cloud bursting as Slurm does it (deploy/local/cloud.sh): a job sent to `burst`
-makes slurmctld resume a CLOUD node, which comes up with an empty disk, warms the
-site's images, pulls the job's through its region's mirror, and is suspended (its
+makes slurmctld resume a CLOUD node, which comes up with an empty disk and the
+cloud image the role baked, warms the site's images, pulls the job's through its
+region's own mirror, and is suspended (its
 cache gone) once idle; a cloud that cannot resume a node leaves the job waiting
 with Slurm's reason and no on-premises node drained."""
 
@@ -14,9 +15,9 @@ from pathlib import Path
 
 import pytest
 from conftest import Cluster, write_script
-from test_rack_mirror import fresh_image, pulled_from, registry_blob_gets
+from test_rack_mirror import fresh_image, mirror_blob_gets, pulled_from, registry_blob_gets
 
-from support import wait_for
+from support import report_figure, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -72,14 +73,14 @@ def test_a_burst_job_resumes_a_cold_node_pulls_through_the_region_and_it_is_susp
     cluster: Cluster, workdir: Path, tmp_path: Path
 ) -> None:
     node = "c1"
-    mirror = cluster.env["TFIMAGE_MIRROR"]
+    region = cluster.env["TFIMAGE_REGION"]
     assert "~" in state(cluster, node), state(cluster, node)  # powered down, as it starts
     image, blob = fresh_image(cluster, tmp_path, "burst")
     submitted = time.time()
     job = burst_job(cluster, workdir, node, image, "burst1")
     resumed = [x for x in power_log(cluster) if f"resume {node}: up in " in x]
     assert resumed, power_log(cluster)
-    assert pulled_from(cluster, node, job) == mirror
+    assert pulled_from(cluster, node, job) == region
     shown = cluster.run(["scontrol", "-o", "show", "job", job], as_root=True).stdout
     times = dict(re.findall(r"\b(SubmitTime|StartTime)=(\S+)", shown))
     waited = time.mktime(time.strptime(times["StartTime"], "%Y-%m-%dT%H:%M:%S")) - time.mktime(
@@ -91,6 +92,8 @@ def test_a_burst_job_resumes_a_cold_node_pulls_through_the_region_and_it_is_susp
     # distribution 2.8's proxy fetches a cold blob twice, test_rack_mirror.py).
     direct, via_mirror = registry_blob_gets(cluster, blob)
     assert direct == 0 and 1 <= via_mirror <= 2, (direct, via_mirror)
+    assert [status for _, status in mirror_blob_gets(cluster, blob, "region")] == ["MISS"]
+    assert mirror_blob_gets(cluster, blob) == []  # the rack mirror is not the region's
     marker = image.split(":")[0]
     assert (workdir / "burst1.out").read_text().split() == [marker]  # it ran in the image
     # The site's image (keep_images) was warmed before the node took the job, and kept.
@@ -100,6 +103,18 @@ def test_a_burst_job_resumes_a_cold_node_pulls_through_the_region_and_it_is_susp
     assert any(e["kept"] and any("/library/tiny:1.0" in ref for ref in e["refs"]) for e in entries)
     assert any(any(image.split(":")[0] in ref for ref in e["refs"]) for e in entries)
     cache = cluster.state / "nodes" / node / "cache"
+    # Its tfimage is the cloud image's, which the role baked: its own files, not the
+    # on-premises nodes'.
+    disk = cluster.state / "nodes" / node / "image"
+    for path, own in (
+        ("/opt/tfimage/bin/tfimage", disk / "prefix" / "bin" / "tfimage"),
+        (f"{cluster.state}/etc/tfimage/config.yaml", disk / "config" / "config.yaml"),
+        (f"{cluster.state}/lib/spank_tfimage.so", disk / "plugin" / "spank_tfimage.so"),
+    ):
+        seen = cluster.on_node(node, ["stat", "-L", "-c", "%d:%i", path]).stdout.strip()
+        st = own.stat()
+        assert seen == f"{st.st_dev}:{st.st_ino}", (path, seen)
+        assert seen != cluster.run(["stat", "-L", "-c", "%d:%i", path], as_root=True).stdout.strip()
 
     again = burst_job(cluster, workdir, node, image, "burst2")  # while it is up
     line = [x for x in cluster.hooks_log(node) if "tfimage-prolog:" in x and f"job {again}: " in x]
@@ -108,12 +123,15 @@ def test_a_burst_job_resumes_a_cold_node_pulls_through_the_region_and_it_is_susp
     # Idle for SuspendTime: Slurm suspends it, and its disk goes.
     wait_for(lambda: "~" in state(cluster, node), timeout=120, what=f"{node} to be suspended")
     wait_for(lambda: not cache.exists(), timeout=30, what=f"{node}'s cache to go")
+    assert not disk.exists()
     assert any(f"suspend {node}: down" in x for x in power_log(cluster))
     r = cluster.run(["ip", "netns", "list"], as_root=True)
     assert not re.search(rf"^{node}\b", r.stdout, re.M), r.stdout
-    print(
-        f"\nburst: submit to start {waited:.0f} s (Slurm's seconds); {resumed[-1]}; "
-        f"the job's pull {pull[1] if pull else '?'} s; whole test {time.time() - submitted:.0f} s"
+    slurm = cluster.run(["sinfo", "-V"], as_root=True).stdout.strip()
+    report_figure(
+        f"burst ({slurm}): submit to start {waited:.0f} s (Slurm's seconds); "
+        f"{resumed[-1].split(' ', 1)[-1]}; the job's pull {pull[1] if pull else '?'} s; "
+        f"whole test {time.time() - submitted:.0f} s"
     )
 
 

@@ -45,9 +45,10 @@ def registry_blob_gets(cluster: Cluster, blob: str) -> tuple[int, int]:
     return sum(1 for a in agents if not a), sum(1 for a in agents if a)
 
 
-def mirror_blob_gets(cluster: Cluster, blob: str) -> list[tuple[str, str]]:
-    """(client address, nginx's cache status) of each GET of ``blob`` the mirror served."""
-    path = cluster.state / "log" / "mirror.log"
+def mirror_blob_gets(cluster: Cluster, blob: str, name: str = "mirror") -> list[tuple[str, str]]:
+    """(client address, nginx's cache status) of each GET of ``blob`` the mirror
+    served: the rack's (mirror.sh), or the cloud region's (``name="region"``)."""
+    path = cluster.state / "log" / f"{name}.log"
     log = path.read_text(errors="replace") if path.exists() else ""
     pat = re.compile(rf'^(\S+) "GET /v2/[^ ]*/blobs/{re.escape(blob)} [^"]*" 200 \d+ (\S+)$', re.M)
     return [(m[1], m[2]) for m in pat.finditer(log)]
