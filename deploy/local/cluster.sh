@@ -857,10 +857,13 @@ up() {
     write_power_programs
     write_role_vars
     deploy_role
-    bake_cloud_image
+    # Beside the rest: nothing resumes a cloud node before up has returned.
+    bake_cloud_image &
+    local bake=$!
     start_slurm
     start_login_daemon
     push_images
+    wait "$bake" || die "the cloud image was not baked"
     write_env
     log "up: slurm $(SLURM_CONF=$ETC/slurm.conf in_root sinfo -V | awk '{print $2}') ($FLAVOR)," \
         "nodes ${NODES[*]}, registry $REGISTRY"
