@@ -94,6 +94,13 @@ node_addr() { # n1 -> .11, c1 (a cloud node) -> .101
 }
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# running PIDFILE: alive and not a zombie (a killed daemon whose parent, the other
+# host's pid 1 say, has not reaped it yet): what a restart asks.
+running() {
+    local pid
+    pid=$(cat "$1" 2>/dev/null) || return 1
+    [ -r "/proc/$pid/stat" ] && [ "$(cut -d' ' -f3 "/proc/$pid/stat")" != Z ]
+}
 
 # ---------------------------------------------------------------------------- down
 
@@ -351,11 +358,23 @@ storage:
 http:
   addr: $UPSTREAM
 YML
-    setsid docker-registry serve "$d/config.yml" >"$LOGS/registry.log" 2>&1 </dev/null &
+    : >"$LOGS/registry.log"
+    run_registry
+    start_proxy
+    start_mirror
+    start_region
+}
+
+# run_registry: the registry's own process, on the config start_registry wrote
+# (alone: `cluster.sh registry start` after a crash, the fronts still up).
+run_registry() {
+    local code
+    ! running "$RUN/registry.pid" || die "the registry is already running"
+    setsid docker-registry serve "$STATE/registry/config.yml" >>"$LOGS/registry.log" 2>&1 </dev/null &
     echo $! >"$RUN/registry.pid"
     for _ in $(seq 100); do
         code=$(curl -s -o /dev/null -w '%{http_code}' "http://$UPSTREAM/v2/" || true)
-        [ "$code" = 200 ] && { start_proxy; start_mirror; start_region; return 0; }
+        [ "$code" = 200 ] && return 0
         sleep 0.1
     done
     tail -5 "$LOGS/registry.log" >&2
@@ -776,6 +795,26 @@ exec slurmd -D -N $n"
     start_daemon "$n"
 }
 
+# restart_slurmd NODE: slurmd again in the node's namespaces after it died, as
+# systemd's Restart= would (the node's other processes, its daemon or its jobs'
+# steps, keep its mount namespace; with none left, only `up` can make it again).
+restart_slurmd() {
+    local n=$1 ns holder="" p
+    ! running "$RUN/slurmd-$n.pid" || die "slurmd $n is running"
+    ns=$(cat "$RUN/$n.mntns")
+    for p in /proc/[0-9]*; do
+        [ "$(readlink "$p/ns/mnt" 2>/dev/null)" = "$ns" ] || continue
+        holder=${p#/proc/}
+        break
+    done
+    [ -n "$holder" ] || die "node $n has no process left in its namespaces: cluster.sh up"
+    SLURM_CONF=$ETC/slurm.conf LD_LIBRARY_PATH=$STATE/gpu/lib setsid nsenter -t "$holder" -m -u -n -- \
+        slurmd -D -N "$n" >>"$LOGS/slurmd-$n.out" 2>&1 </dev/null &
+    echo $! >"$RUN/slurmd-$n.pid"
+    sleep 0.5
+    alive "$RUN/slurmd-$n.pid" || { tail -n 5 "$LOGS/slurmd-$n.out" >&2; die "slurmd $n did not start again"; }
+}
+
 start_slurm() {
     # A fresh controller state each time: the two Slurm generations write it differently.
     # Job ids start again at 1 with a fresh slurmctld state: the nodes' spools must go
@@ -900,10 +939,20 @@ case "${1:-}" in
             start) NODE_COUNT=$(wc -l <"$RUN/nodes") MIRROR_ON=1 start_mirror ;;
             *) echo "usage: cluster.sh mirror stop|start" >&2; exit 2 ;;
         esac ;;
+    registry)  # stop|start the running cluster's registry process (its fronts stay
+        # up), as a crash and a service manager's restart would
+        case "${2:-}" in
+            stop) stop_pid "$RUN/registry.pid" ;;
+            start) run_registry ;;
+            *) echo "usage: cluster.sh registry stop|start" >&2; exit 2 ;;
+        esac ;;
+    slurmd)  # NODE: start the node's slurmd again after it died (restart_slurmd;
+        # in the other flavor its mount namespace's root is that Slurm's tree already)
+        restart_slurmd "${2:?node}" ;;
     daemon)  # (re)start one node's tfimage daemon, or the login node's, with any
         # further arguments for `tfimage daemon` (e.g. --trace FILE).
         # In the running cluster's tree, whatever SLURM_FLAVOR says now.
         [ ! -f "$RUN/chroot.root" ] || ROOT=$(cat "$RUN/chroot.root")
         if [ "${2:?node}" = login ]; then start_login_daemon "${@:3}"; else start_daemon "$2" "${@:3}"; fi ;;
-    *) echo "usage: cluster.sh up|down|status|daemon NODE|login [DAEMON ARGS...]|slurmdbd stop|start|mirror stop|start|resume|suspend HOSTLIST" >&2; exit 2 ;;
+    *) echo "usage: cluster.sh up|down|status|daemon NODE|login [DAEMON ARGS...]|slurmd NODE|registry stop|start|slurmdbd stop|start|mirror stop|start|resume|suspend HOSTLIST" >&2; exit 2 ;;
 esac
