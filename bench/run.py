@@ -1,7 +1,7 @@
 """tfimage benchmarks: one command, ratios against baselines measured in the same run.
 
-    python bench/run.py [all|launch|pull|gpu|usage|start|stage|fleet] [--runs N] [--mib N]
-                        [--nodes N]
+    python bench/run.py [all|launch|pull|gpu|usage|start|stage|fleet|soak] [--runs N]
+                        [--mib N] [--nodes N] [--tasks N] [--seed S] [--json]
 
 - gpu: see bench/gpu.py (the GPU gate on 8 fake GPUs, in process and as the
   prolog, against the same NVML reads bare).  Needs no cluster.
@@ -24,6 +24,11 @@
   registry, through the rack mirror, one pull down Slurm's tree; time until every
   node holds the image and the registry's egress, as ratios to one node's pull).
   Needs TFIMAGE_NODES=16 (--nodes) and a shaped registry.
+
+- soak: see bench/soak.py (a job array of --tasks short tasks over four images and
+  two users while seeded faults hit the registry, the rack mirror, the node daemons,
+  slurmd, a cache file system and the pin socket; then every task, node, leak and
+  usage record accounted for).  Exits 1 on any loss, drain, leak or duplicate.
 
 - launch: added cost of --tf-image on a step with a warm cache,
   `srun -N2 -n4 --tf-image=tiny:1.0 /bin/sh -c true` against the same srun without it,
@@ -92,14 +97,19 @@ def main() -> None:
     ap.add_argument(
         "what",
         nargs="?",
-        choices=("all", "launch", "pull", "gpu", "usage", "start", "stage", "fleet"),
+        choices=("all", "launch", "pull", "gpu", "usage", "start", "stage", "fleet", "soak"),
         default="all",
     )
     ap.add_argument("--runs", type=int, default=0, help="runs per measurement")
     ap.add_argument(
         "--mib", type=int, default=0, help="stage, fleet: each image's size in MiB (512, 1024)"
     )
-    ap.add_argument("--nodes", type=int, default=16, help="fleet: the job's nodes")
+    ap.add_argument(
+        "--nodes", type=int, default=0, help="fleet: the job's nodes (16); soak: its nodes (4)"
+    )
+    ap.add_argument("--tasks", type=int, default=2000, help="soak: the array tasks")
+    ap.add_argument("--seed", type=int, default=1, help="soak: the faults' and the work's seed")
+    ap.add_argument("--json", action="store_true", help="soak: the account as JSON")
     args = ap.parse_args()
     if args.what in ("all", "gpu"):
         import gpu
@@ -127,8 +137,12 @@ def main() -> None:
     if args.what == "fleet":  # not in "all": it wants 16 nodes and a shaped link
         import fleet
 
-        fleet.main(env, args.nodes, args.mib or 1024)
+        fleet.main(env, args.nodes or 16, args.mib or 1024)
         return
+    if args.what == "soak":  # not in "all": an hour on 4 nodes by default
+        import soak
+
+        sys.exit(soak.main(env, args.tasks, args.seed, args.nodes or 4, args.json))
     if args.what in ("all", "pull"):
         import pull
 

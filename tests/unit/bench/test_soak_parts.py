@@ -1,0 +1,90 @@
+"""The soak's pure parts (bench/soak/): its plan, the reasons it counts, the verdict
+it gives.  The soak itself runs on the cluster (tests/cluster/test_soak.py)."""
+
+from __future__ import annotations
+
+import random
+import sys
+import types
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+from soak import FAULTS, problems
+from soak.faults import Injector
+from soak.work import expected_output, plan, reason, script_text
+
+
+@pytest.mark.parametrize(("tasks", "waves"), [(2000, 20), (60, 4), (7, 3), (1, 1)])
+def test_the_plan_places_every_task_once_across_the_waves(tasks: int, waves: int) -> None:
+    p = plan(tasks, waves)
+    assert len(p) == waves
+    assert sum(sum(w.values()) for w in p) == tasks
+    sizes = [sum(w.values()) for w in p]
+    assert max(sizes) - min(sizes) <= 1  # even waves
+    if tasks >= 20 * waves:
+        assert all(all(n > 0 for n in w.values()) for w in p)  # every kind in every wave
+
+
+def test_a_reason_is_the_first_tfimage_line_with_its_numbers_made_alike() -> None:
+    out = "hello\ntfimage: prolog: job 123: pull of x failed after 2.5 s\ntfimage: other\n"
+    assert reason(out) == "tfimage: prolog: N: pull of x failed after N s"
+    assert reason(out.replace("123", "9")) == reason(out)  # counted as one reason
+    said = "\nsbatch: error: Batch job submission failed: job 12 refused\nmore\n"
+    assert (
+        reason(said) == "(no tfimage: line) sbatch: error: Batch job submission failed: N refused"
+    )
+    assert reason("") == "(no tfimage: line) (nothing said)"
+    refused = "sbatch: error: tfimage: submit: --tf-mount a:/b: destination /b is bad\n"
+    assert reason(refused) == "tfimage: submit: --tf-mount a:/b: destination /b is bad"
+
+
+def test_a_mount_task_reads_the_token_and_others_print_their_images_marker() -> None:
+    assert expected_output("mount", "team-a/tiny:1.0", "tok") == ["tok"]
+    assert expected_output("batch", "tiny:1.0", "tok") == ["tiny:1.0"]
+    assert expected_output("multi", "soak-1-abc:1", "tok") == ["soak-1-abc", "soak-1-abc"]
+    script = script_text("mount", "team-a/tiny:1.0", ["n1", "n2"], Path("/home/u/soak-1"))
+    assert "#SBATCH -x n1,n2\n" in script
+    assert "#SBATCH --tf-mount=/home/u/soak-1:/soak:ro\n" in script
+    assert script.endswith("cat /soak/token\n")
+
+
+def _clean() -> dict[str, Any]:
+    return {
+        "lost": [],
+        "wrong_output": [],
+        "drained": [],
+        "node_states": {"n1": "idle"},
+        "leaks": {"mounts": [], "holds": []},
+        "usage": {"duplicates": [], "gaps": [], "strays": [], "bad_lines": 0},
+        "injector_errors": [],
+    }
+
+
+def test_a_clean_report_passes_and_each_kind_of_harm_fails_it_by_name() -> None:
+    assert problems(_clean()) == []
+    harms: list[tuple[str, Any, str]] = [
+        ("lost", ["7_3 (batch): PENDING"], "1 tasks lost"),
+        ("drained", ["n1"], "nodes drained: ['n1']"),
+        ("leaks", {"mounts": ["n1:/run/tfimage/images/x"], "holds": []}, "leaked mounts"),
+        ("usage", {**_clean()["usage"], "duplicates": ["7@n1 x2"]}, "1 duplicates"),
+        ("injector_errors", ["evict: not injected"], "fault injector: evict"),
+    ]
+    for key, value, said in harms:
+        report = {**_clean(), key: value}
+        found = problems(report)
+        assert len(found) == 1 and said in found[0], (key, found)
+
+
+def test_the_faults_come_in_the_seeds_order_each_kind_once() -> None:
+    def plan_of(seed: int, mirrored: bool) -> list[str]:
+        site: Any = types.SimpleNamespace(nodes=["n3", "n4"], mirrored=mirrored)
+        return Injector(site, random.Random(seed), 0.0, (1, 2), print).plan
+
+    assert plan_of(46, True) == plan_of(46, True)
+    assert Counter(plan_of(46, True)) == Counter(FAULTS)
+    assert set(plan_of(46, False)) == set(FAULTS) - {"mirror-5xx-hang"}
+    assert any(plan_of(s, True) != plan_of(46, True) for s in range(1, 5))
