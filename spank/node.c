@@ -131,8 +131,8 @@ static int prepare(void)
 {
 	static const char *const layout[] = TFI_LAYOUTS;
 	char err[512];
-	/* 4 fixed words, 6 ids, workdir, script, binds, --gpus, a --layout per
-	 * TFI_LAYOUTS entry (9), NULL: 24; room to spare. */
+	/* 4 fixed words, 6 ids, workdir, script, binds, --gpus, 2 array ids, a
+	 * --layout per TFI_LAYOUTS entry (9), NULL: 26; room to spare. */
 	char *hargv[48], *out = NULL, *own[32] = { NULL };
 	size_t len = 0;
 	int h = 0, o = 0, rc = -1;
@@ -172,6 +172,14 @@ static int prepare(void)
 	}
 	if (step_has_gpus(tfi_state.job_env))
 		hargv[h++] = TFI_ARG_GPUS;
+	if (tfi_state.array_job) {
+		if (asprintf(&own[o], "%s%u", TFI_ARG_ARRAY_JOB, tfi_state.array_job) < 0)
+			goto oom;
+		hargv[h++] = own[o++];
+		if (asprintf(&own[o], "%s%u", TFI_ARG_ARRAY_TASK, tfi_state.array_task) < 0)
+			goto oom;
+		hargv[h++] = own[o++];
+	}
 	/* The step's layout, for TF_CONFIG: the helper parses it strictly. */
 	for (int i = 0; layout[i]; i++) {
 		const char *v = env_get(tfi_state.job_env, layout[i]);
@@ -292,6 +300,10 @@ int tfi_node_init_post_opt(spank_t sp)
 		slurm_error("tfimage: prepare: cannot read the step's layout from Slurm");
 		return -1;
 	}
+	/* Slurm's own, not the job's environment: the usage record names the array. */
+	if (spank_get_item(sp, S_JOB_ARRAY_ID, &tfi_state.array_job) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_JOB_ARRAY_TASK_ID, &tfi_state.array_task) != ESPANK_SUCCESS)
+		tfi_state.array_job = tfi_state.array_task = 0;
 	/* $PWD is the working directory in the common case; a task whose real one
 	 * differs asks again from task_init_privileged. */
 	copy_path(tfi_state.workdir, env_get(env, "PWD"));

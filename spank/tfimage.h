@@ -14,6 +14,7 @@
 #define TFIMAGE_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <slurm/spank.h>
 
 #include "wire.h"
@@ -56,6 +57,7 @@ struct tfi_state {
 	/* node side: what the helper was asked, to ask again from a task whose
 	 * real working directory (known only there) differs from $PWD */
 	unsigned job_id, step_id, uid, node_id, local_tasks;
+	uint32_t array_job, array_task; /* 0: not a job array's task */
 	char **job_env;
 	char workdir[TFI_MAX_PATH];
 	char script[TFI_MAX_PATH];

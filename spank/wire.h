@@ -48,6 +48,8 @@
 #define TFI_ARG_SCRIPT "--script="
 #define TFI_ARG_TF_MOUNT "--tf-mount="
 #define TFI_ARG_GPUS "--gpus"
+#define TFI_ARG_ARRAY_JOB "--array-job="
+#define TFI_ARG_ARRAY_TASK "--array-task="
 #define TFI_ARG_LAYOUT "--layout="
 /* submit-check's (and --tf-mount= above) */
 #define TFI_ARG_JOB_IMAGE "--job-image="

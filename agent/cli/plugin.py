@@ -53,6 +53,9 @@ def cmd_step_prepare(args: argparse.Namespace) -> int:
         if not sep or name not in wire.LAYOUT_VARS:
             raise TfimageError(f"step-prepare: unexpected --layout {name[:40]!r}")
         layout[name] = value
+    for flag, value in (("--array-job", args.array_job), ("--array-task", args.array_task)):
+        if value and not (value.isascii() and value.isdigit() and len(value) <= 10):
+            raise TfimageError(f"step-prepare: {flag} must be a number, not {value[:40]!r}")
     req = StepRequest(
         job_id=args.job,
         step_id=args.step,
@@ -65,6 +68,8 @@ def cmd_step_prepare(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         local_tasks=args.local_tasks,
         tf_mount=args.tf_mount,
+        array_job=args.array_job,
+        array_task=args.array_task,
     )
     cfg = load_config(args.config)
     with deadline(cfg.hook_deadline, "step preparation"):
@@ -105,6 +110,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sp.add_argument("--script", default="")
     sp.add_argument("--tf-mount", default="", help="the step's --tf-mount value")
     sp.add_argument("--gpus", action="store_true", help="Slurm allocated GPUs to the step")
+    sp.add_argument("--array-job", default="", help="the job array's id (a task of one)")
+    sp.add_argument("--array-task", default="", help="the task's index in its array")
     sp.add_argument(
         "--layout",
         action="append",

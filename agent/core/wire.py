@@ -23,7 +23,8 @@ it against the parsers here, both ways.
 
        tfimage --config PATH step-prepare --job=N --step=N --uid=N --image=REF
            --node-id=N --local-tasks=N [--workdir=PATH] [--script=PATH]
-           [--tf-mount=SPEC] [--gpus] [--layout=NAME=VALUE ...]
+           [--tf-mount=SPEC] [--gpus] [--array-job=N --array-task=N]
+           [--layout=NAME=VALUE ...]
 
    Every value as ``--name=VALUE``: values are the job's, and one starting with
    ``-`` must stay a value.  :data:`STEP_PREPARE` lists each flag and when the
@@ -240,6 +241,10 @@ STEP_PREPARE_FLAGS = (
     Flag("--script", True, "for the batch step run in the image"),
     Flag("--tf-mount", True, "when the job gave --tf-mount"),
     Flag("--gpus", False, "when Slurm allocated GPUs to the step"),
+    # slurmd gives Prolog and Epilog no SLURM_ARRAY_* on 22.05: the step, which has
+    # them from Slurm itself (not the job's environment), hands them to the record.
+    Flag("--array-job", True, "for a task of a job array (Slurm's S_JOB_ARRAY_ID)"),
+    Flag("--array-task", True, "with --array-job (S_JOB_ARRAY_TASK_ID)"),
     Flag("--layout", True, "once per step variable the step has (LAYOUT_VARS)"),
 )
 

@@ -53,6 +53,8 @@ class StepRequest:
     node_id: int = 0
     local_tasks: int = 0
     tf_mount: str = ""
+    array_job: str = ""  # Slurm's, for the usage record: empty outside a job array
+    array_task: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +214,7 @@ def plan_step(cfg: Config, req: StepRequest, cache: ImageCache | None = None) ->
             if req.gpus:  # where the driver is bound (gpudriver.py), unless set
                 task.setdefault("LD_LIBRARY_PATH", DRIVER_LIB_DIR)
     _note_workers(cfg, req, env)
+    _note_array(cfg, req)
     return StepPlan(argv, env, [b.src for b in user_binds])
 
 
@@ -223,6 +226,16 @@ def _note_workers(cfg: Config, req: StepRequest, env: dict[int, dict[str, str]])
     with contextlib.suppress(Exception):  # bookkeeping never fails a step
         workers = len(json.loads(tf_config)["cluster"]["worker"])
         jobfacts.note_max(cfg.state_dir, req.job_id, "tf_workers", workers)
+
+
+def _note_array(cfg: Config, req: StepRequest) -> None:
+    """The job array's ids, for the usage record: slurmd gives the epilog none on 22.05."""
+    if not req.array_job:
+        return
+    with contextlib.suppress(Exception):  # bookkeeping never fails a step
+        jobfacts.note(
+            cfg.state_dir, req.job_id, array_job_id=req.array_job, array_task_id=req.array_task
+        )
 
 
 def _resolved(cfg: Config, uid: int, binds: list[Bind]) -> list[Bind]:

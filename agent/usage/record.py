@@ -120,8 +120,9 @@ def build(
     rec: dict[str, Any] = {
         "schema": SCHEMA,
         "job_id": _text(slurm["job_id"], 20),
-        "array_job_id": _text(slurm.get("array_job_id"), 20),
-        "array_task_id": _text(slurm.get("array_task_id"), 20),
+        # Slurm 22.05's epilog has no SLURM_ARRAY_*: then the steps' (jobfacts).
+        "array_job_id": _text(slurm.get("array_job_id") or facts.get("array_job_id"), 20),
+        "array_task_id": _text(slurm.get("array_task_id") or facts.get("array_task_id"), 20),
         "user": _text(slurm.get("user"), 64),
         "uid": int(uid) if uid.isdigit() and len(uid) < 11 else None,
         "account": _text(slurm.get("account"), 64),

@@ -78,6 +78,43 @@ def gone(cluster: Cluster, node: str, job: str) -> dict[str, list[str]]:
     return {k: v for k, v in left.items() if v}
 
 
+def test_an_array_tasks_usage_record_names_its_array_on_every_slurm(
+    cluster: Cluster, workdir: Path
+) -> None:
+    """The soak's finding (bench/soak): 22.05's slurmd gives Prolog and Epilog no
+    SLURM_ARRAY_*, and every array task's record said null; the step now hands
+    Slurm's own ids to the record (spank/node.c, step/plan.py)."""
+    since = time.time()
+    r = cluster.run(
+        ["sbatch", "--parsable", "-p", "all", "-w", "n1", "--array=0-1", "--tf-image=tiny:1.0",
+         "-o", "/dev/null", "--wrap", "true"],
+        cwd=workdir,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    array = r.stdout.strip().split(";")[0]
+    shown = ""
+    for _ in range(300):  # both tasks ended, their epilogs run
+        shown = cluster.run(["squeue", "-h", "-r", "-j", array, "-o", "%i"], as_root=True).stdout
+        if not shown.strip():
+            break
+        time.sleep(0.2)
+    assert not shown.strip(), shown
+    tasks: dict[str, str] = {}
+    for _ in range(150):  # slurmctld sends the ends to slurmdbd after the jobs end
+        raw = cluster.run(
+            ["sacct", "-n", "-P", "-X", "-j", array, "-o", "JobIDRaw,JobID"], as_root=True
+        ).stdout
+        tasks = dict(line.split("|") for line in raw.split())  # 208 -> 207_1
+        if len(tasks) == 2:
+            break
+        time.sleep(0.2)
+    assert sorted(tasks.values()) == [f"{array}_0", f"{array}_1"], raw
+    for job, name in tasks.items():
+        recs = records(cluster, "n1", job, since)
+        assert len(recs) == 1, (job, recs)
+        assert (recs[0]["array_job_id"], recs[0]["array_task_id"]) == tuple(name.split("_"))
+
+
 def test_a_two_node_job_leaves_nothing_and_is_recorded_on_each_node(
     cluster: Cluster, workdir: Path
 ) -> None:

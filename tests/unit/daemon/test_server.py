@@ -47,6 +47,17 @@ def test_step_prepare_answers_with_status_and_the_reason(daemon: tuple[Path, Pat
     assert err.strip() == "tfimage: step-prepare: unexpected --layout 'SLURM_NODEID'"
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--array-job", "7x"), ("--array-task", "-1")])
+def test_step_prepare_refuses_an_array_id_that_is_not_a_number(
+    daemon: tuple[Path, Path], flag: str, value: str
+) -> None:
+    sock, cfg = daemon
+    argv = ["--config", str(cfg), "step-prepare", "--job", "7", "--step", "0", "--uid", "1000"]
+    status, err, out = ask_daemon(sock, *argv, "--image", "tiny:1.0", f"{flag}={value}")
+    assert status == 1 and out == b""
+    assert err.strip() == f"tfimage: step-prepare: {flag} must be a number, not {value!r}"
+
+
 def test_only_step_prepare_is_served(daemon: tuple[Path, Path]) -> None:
     sock, cfg = daemon
     status, err, _ = ask_daemon(sock, "--config", str(cfg), "push", "/etc/passwd", "x:1")

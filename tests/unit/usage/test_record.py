@@ -89,6 +89,18 @@ def test_a_record_of_the_longest_hostile_values_still_fits_one_line() -> None:
     assert len(rec["gpus"]) == 64 and rec["gpus"][0]["energy_j"] is None  # no NaN in JSON
 
 
+def test_an_array_tasks_record_names_its_array_when_slurm_gave_the_epilog_none() -> None:
+    """The soak's finding: 22.05's slurmd gives Prolog and Epilog no SLURM_ARRAY_*;
+    the job's steps noted Slurm's own ids (step/plan.py), and the record takes those."""
+    slurm = {**SLURM, "array_job_id": "", "array_task_id": ""}
+    facts = {**FACTS, "array_job_id": "207", "array_task_id": "0"}
+    rec = record.build(slurm, facts, end=FACTS["prolog_start"] + 1, gpus=[], epilog_health=None)
+    assert (rec["array_job_id"], rec["array_task_id"]) == ("207", "0")
+    # What the epilog was given, where it was, wins over what the steps noted.
+    rec = record.build(SLURM, facts, end=FACTS["prolog_start"] + 1, gpus=[], epilog_health=None)
+    assert (rec["array_job_id"], rec["array_task_id"]) == ("40", "2")
+
+
 def test_a_job_that_no_prolog_readied_is_recorded_with_nulls_not_guesses() -> None:
     slurm = {**SLURM, "uid": "x", "array_job_id": "", "array_task_id": "", "exit": "0:0"}
     rec = record.build(slurm, {"image_error": "reg: unreachable\nFAKE"}, end=2e9, gpus=[],
