@@ -25,7 +25,9 @@ file system full (a full tmpfs over it), an eviction down to the low watermark
 while jobs hold images, and the pin socket flooded by the second user.
 
 The account (a table, or ``--json``): tasks completed, failed with a ``tfimage:``
-reason (each reason counted), requeued, and lost (neither, which must be 0); nodes
+reason (each reason counted), failed with Slurm's own reason (a fault below
+tfimage, such as a slurmd killed under a step's launch), requeued, and lost (none
+of these, which must be 0); nodes
 drained (must be 0: no GPU fault is injected); what the jobs left on each node
 after the last epilog (mounts, loop devices, FUSE processes, holds, per-job state,
 partial downloads, temp files: all 0); usage records against Slurm's accounting

@@ -12,7 +12,7 @@ from typing import Any
 
 from .faults import CACHE, Fault
 from .site import Site, hostnames
-from .work import Array, Refusals, reason
+from .work import Array, Refusals, reason, slurm_reason
 
 FINISHED = {
     "COMPLETED",
@@ -160,6 +160,11 @@ def account(
             elif state in FINISHED and "tfimage:" in text:
                 tasks["failed with a reason"] += 1
                 reasons[reason(text)] += 1
+            elif state in FINISHED and slurm_reason(text):
+                # A fault below tfimage (a slurmd killed under a step's launch): the
+                # user was told why, by Slurm; counted apart from tfimage's reasons.
+                tasks["failed with Slurm's reason"] += 1
+                reasons[slurm_reason(text)] += 1
             elif state == "REQUEUED" or "requeue" in state.lower():
                 tasks["requeued"] += 1
             else:
@@ -216,12 +221,14 @@ def account(
             "gaps": gaps,
             "strays": strays,
             "bad_lines": sum(1 for rec in records if "bad" in rec),
-            # Slurm 22.05's slurmd gives its Prolog and Epilog no SLURM_ARRAY_*: a
-            # finding, counted, not (yet) a failure.
+            # Slurm 22.05's slurmd gives its Prolog and Epilog no SLURM_ARRAY_*: the
+            # steps hand the record Slurm's own ids (spank/node.c).
             "without_array_ids": sum(
                 1
                 for rec in records
-                if str(rec.get("job_id")) in rows and rec.get("array_job_id") is None
+                if str(rec.get("job_id")) in rows
+                and rec.get("array_job_id") is None
+                and not rec.get("image_error")  # no step ran: none could say
             ),
             "record_states": dict(rec_states),
             "slurm_states": dict(slurm_states),
@@ -254,6 +261,8 @@ def problems(report: dict[str, Any]) -> list[str]:
     for what in ("duplicates", "gaps", "strays"):
         if u[what]:
             out.append(f"usage records: {len(u[what])} {what}: {u[what][:3]}")
+    if u.get("without_array_ids"):
+        out.append(f"usage records: {u['without_array_ids']} array tasks' without the array's ids")
     if u["bad_lines"]:
         out.append(f"usage records: {u['bad_lines']} unreadable lines")
     for err in report.get("injector_errors", []):

@@ -129,6 +129,18 @@ def submit_wave(
     return arrays
 
 
+SLURM_ERROR = re.compile(r"^(srun|sbatch|slurmstepd(-\S+)?): error: .+$", re.M)
+
+
+def slurm_reason(text: str) -> str:
+    """Slurm's first error line, its numbers and node names made alike ("" if none)."""
+    m = SLURM_ERROR.search(text)
+    if not m:
+        return ""
+    line = re.sub(r"\[\[?[\w.-]+\]?:\d+\]|slurmstepd-\S+", "NODE", m[0])
+    return "(Slurm) " + NUMBERS.sub("N", line)[:150]
+
+
 def reason(text: str) -> str:
     """The first ``tfimage:`` line, its numbers made alike so that one cause counts
     once; else the first line said, marked as not ours."""

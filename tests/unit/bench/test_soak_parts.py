@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 from soak import FAULTS, problems
 from soak.faults import Injector
-from soak.work import expected_output, plan, reason, script_text
+from soak.work import expected_output, plan, reason, script_text, slurm_reason
 
 
 @pytest.mark.parametrize(("tasks", "waves"), [(2000, 20), (60, 4), (7, 3), (1, 1)])
@@ -40,6 +40,17 @@ def test_a_reason_is_the_first_tfimage_line_with_its_numbers_made_alike() -> Non
     assert reason("") == "(no tfimage: line) (nothing said)"
     refused = "sbatch: error: tfimage: submit: --tf-mount a:/b: destination /b is bad\n"
     assert reason(refused) == "tfimage: submit: --tf-mount a:/b: destination /b is bad"
+
+
+def test_a_step_slurm_failed_is_told_apart_by_slurms_own_line() -> None:
+    out = (
+        "srun: error: slurm_receive_msgs: [[n3]:6818] failed: Zero Bytes were transmitted\n"
+        "srun: error: Task launch for StepId=28.0 failed on node n3\n"
+    )
+    assert slurm_reason(out) == (
+        "(Slurm) srun: error: slurm_receive_msgs: NODE failed: Zero Bytes were transmitted"
+    )
+    assert slurm_reason("tiny:1.0\n") == ""
 
 
 def test_a_mount_task_reads_the_token_and_others_print_their_images_marker() -> None:
@@ -72,6 +83,7 @@ def test_a_clean_report_passes_and_each_kind_of_harm_fails_it_by_name() -> None:
         ("leaks", {"mounts": ["n1:/run/tfimage/images/x"], "holds": []}, "leaked mounts"),
         ("usage", {**_clean()["usage"], "duplicates": ["7@n1 x2"]}, "1 duplicates"),
         ("injector_errors", ["evict: not injected"], "fault injector: evict"),
+        ("usage", {**_clean()["usage"], "without_array_ids": 2}, "2 array tasks' without"),
     ]
     for key, value, said in harms:
         report = {**_clean(), key: value}
