@@ -59,10 +59,7 @@ start_region() {
     start_pull_through region "$REGION" "$REGION_UPSTREAM" "region mirror"
 }
 
-stop_region() {
-    stop_pid "$RUN/region.pid"
-    stop_pid "$RUN/region-registry.pid"
-}
+stop_region() { stop_pull_through region; }
 
 # The programs slurmctld runs: a clean environment, this harness, one log.
 write_power_programs() {
@@ -88,21 +85,17 @@ SH
 # image has nothing of the on-premises nodes' install.  Resuming a node copies the
 # image onto its disk ($STATE/nodes/NODE/image), which start_node mounts over those
 # paths in the node's own mount namespace.
-CLOUD_IMAGE_DIRS=(prefix config plugin build)
-
-cloud_image_paths() { # the paths the image's directories stand in for, in that order
-    echo "$PREFIX" "$ETC/tfimage" "$STATE/lib" "$STATE/spank-build"
-}
+# Each of the image's directories, and the path it stands in for.
+declare -A CLOUD_IMAGE=([prefix]=$PREFIX [config]=$ETC/tfimage [plugin]=$STATE/lib
+    [build]=$STATE/spank-build)
 
 bake_cloud_image() {
     [ "$BURST_COUNT" -gt 0 ] || return 0
-    local img=$STATE/cloud/image t0=$SECONDS d mounts="" i=0 paths
+    local img=$STATE/cloud/image t0=$SECONDS d mounts=""
     rm -rf "$img"
-    read -ra paths <<<"$(cloud_image_paths)"
-    for d in "${CLOUD_IMAGE_DIRS[@]}"; do
-        mkdir -p "$img/$d" "${paths[i]}"
-        mounts+="mount --bind $img/$d ${paths[i]}; "
-        i=$((i + 1))
+    for d in "${!CLOUD_IMAGE[@]}"; do
+        mkdir -p "$img/$d" "${CLOUD_IMAGE[$d]}"
+        mounts+="mount --bind $img/$d ${CLOUD_IMAGE[$d]}; "
     done
     unshare --mount --propagation private sh -ec "${mounts}exec bash $REPO/deploy/local/role.sh apply" \
         >"$LOGS/cloud-image.log" 2>&1 </dev/null \
@@ -115,18 +108,16 @@ bake_cloud_image() {
 # start_node's lines for a cloud node: its copy of the image over the paths it
 # stands in for (a plugin file at a time: the site's plugins stay beside it).
 cloud_image_mounts() { # NODE_DIR
-    local nd=$1 d i=0 paths f
-    read -ra paths <<<"$(cloud_image_paths)"
-    for d in "${CLOUD_IMAGE_DIRS[@]}"; do
+    local nd=$1 d f
+    for d in "${!CLOUD_IMAGE[@]}"; do
         case "$d" in
             build) ;;  # only the bake builds
             plugin)
                 for f in "$nd/image/plugin"/*; do
-                    echo "mount --bind $f ${paths[i]}/${f##*/}"
+                    echo "mount --bind $f ${CLOUD_IMAGE[$d]}/${f##*/}"
                 done ;;
-            *) echo "mount --bind $nd/image/$d ${paths[i]}" ;;
+            *) echo "mount --bind $nd/image/$d ${CLOUD_IMAGE[$d]}" ;;
         esac
-        i=$((i + 1))
     done
 }
 

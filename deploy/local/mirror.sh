@@ -122,10 +122,12 @@ start_mirror() {
     start_pull_through mirror "$MIRROR" "$MIRROR_UPSTREAM" "rack mirror"
 }
 
-stop_mirror() {
-    stop_pid "$RUN/mirror.pid"
-    stop_pid "$RUN/mirror-registry.pid"
+stop_pull_through() { # NAME: what start_pull_through NAME started
+    stop_pid "$RUN/$1.pid"
+    stop_pid "$RUN/$1-registry.pid"
 }
+
+stop_mirror() { stop_pull_through mirror; }
 
 # The role's lines for both (cluster.sh's write_role_vars): each group's tier, and
 # the credential the nodes show it (the site robot's, as each htpasswd has it).
