@@ -67,6 +67,8 @@ class Injector:
                 self.errors.append(f"{kind}: not injected: the run ended first")
                 continue
             node = self.rng.choice(self.site.nodes)
+            if kind == "cache-full":  # the node whose cache has a file system of its own
+                node = self.full_node
             held = self.rng.uniform(*self.hold)
             fault = Fault(kind, node, time.time())
             self.log(f"fault {kind} on {node} for {held:.0f} s")
@@ -126,9 +128,8 @@ class Injector:
         return f"slurmd {pid} killed, restarted"
 
     def _cache_full(self, node: str, held: float) -> str:
-        # The node whose cache has a file system of its own (small_cache): filled
-        # to the last byte, as a disk is by another writer, then freed.
-        node = self.full_node
+        # The node whose cache has a file system of its own (small_cache, run()'s
+        # choice): filled to the last byte, as a disk is by another writer, then freed.
         free = self.site.on_node(node, ["df", "--output=avail", "-B1", CACHE]).stdout.split()[-1]
         r = self.site.on_node(node, ["fallocate", "-l", free, f"{CACHE}/soak-fill"])
         if r.returncode != 0:
