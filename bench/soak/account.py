@@ -228,7 +228,9 @@ def account(
                 for rec in records
                 if str(rec.get("job_id")) in rows
                 and rec.get("array_job_id") is None
-                and not rec.get("image_error")  # no step ran: none could say
+                # Only a task that completed surely ran a step, which hands the ids
+                # over; one whose launch a killed slurmd failed never asked.
+                and rows[str(rec.get("job_id"))]["State"] == "COMPLETED"
             ),
             "record_states": dict(rec_states),
             "slurm_states": dict(slurm_states),
