@@ -88,6 +88,66 @@ def _local_ts(text: str) -> float:
         return 0.0
 
 
+def _image_key(image: str) -> str:
+    """An image as usage records name it, less the registry: Docker Hub's
+    ``library/`` for a one-part name (``tiny:1.0`` is ``library/tiny:1.0``)."""
+    return image if "/" in image else f"library/{image}"
+
+
+def report_vs_slurm(
+    site: Site,
+    since: float,
+    runs: Counter[tuple[str, str]],
+    rows: dict[str, dict[str, str]],
+    image_of: dict[str, str],
+) -> dict[str, Any]:
+    """What ``tfimage usage report --by image`` says of the soak's nodes' usage logs,
+    against Slurm's accounting (``compare_usage``)."""
+    logs = [
+        str(p)
+        for n in site.nodes
+        if (p := site.state / "nodes" / n / "log" / "usage.jsonl").exists()
+    ]
+    when = datetime.fromtimestamp(since).astimezone().isoformat(timespec="seconds")
+    r = site.run(["tfimage", "usage", "report", *logs, "--by", "image", "--since", when, "--json"])
+    if r.returncode != 0 or not logs:
+        said = r.stderr.strip()[-200:] or "no usage log on the soak's nodes"
+        return {"slurm": {}, "report": {}, "disagree": [f"the report: {said}"]}
+    return compare_usage(json.loads(r.stdout)["groups"], runs, rows, image_of)
+
+
+def compare_usage(
+    groups: list[dict[str, Any]],
+    runs: Counter[tuple[str, str]],
+    rows: dict[str, dict[str, str]],
+    image_of: dict[str, str],
+) -> dict[str, Any]:
+    """Per image, the report's jobs and failures (``groups``: its JSON's) against
+    Slurm's: each job-node run in ``runs`` (sacct's), with its job's image in
+    ``image_of``, failed where its job did not complete.  The images by name less
+    the registry, so that an image that never came (named as asked) is the same."""
+    slurm: dict[str, dict[str, int]] = {}
+    for (raw, _node), c in runs.items():
+        row = slurm.setdefault(_image_key(image_of.get(raw, "?")), {"jobs": 0, "failures": 0})
+        row["jobs"] += c
+        row["failures"] += c * (rows[raw]["State"] != "COMPLETED")
+    ours: dict[str, dict[str, int]] = {}
+    for g in groups:
+        key = str(g["key"])
+        first = key.split("/")[0]
+        if "/" in key and ("." in first or ":" in first or first == "localhost"):
+            key = key.split("/", 1)[1]  # less the registry
+        row = ours.setdefault(_image_key(key), {"jobs": 0, "failures": 0})
+        row["jobs"] += int(g["jobs"])
+        row["failures"] += int(g["failures"])
+    disagree = [
+        f"{k}: report {ours.get(k)}, Slurm {slurm.get(k)}"
+        for k in sorted(set(ours) | set(slurm))
+        if ours.get(k) != slurm.get(k)
+    ]
+    return {"slurm": slurm, "report": ours, "disagree": disagree}
+
+
 def leaks(site: Site) -> dict[str, list[str]]:
     """What jobs left on the soak's nodes once none runs (each list must be empty)."""
     found: dict[str, list[str]] = {
@@ -131,6 +191,7 @@ def account(
     span: tuple[float, float],
     expected: dict[str, list[str]],
     refused: Refusals,
+    images: dict[str, str],
 ) -> dict[str, Any]:
     """The report: see the package's docstring."""
     t0, t1 = span
@@ -189,6 +250,9 @@ def account(
     duplicates = sorted(f"{j}@{n} x{c}" for (j, n), c in ours.items() if c > 1)
     gaps = sorted(f"{j}@{n}" for (j, n) in ran if (j, n) not in ours)
     strays = sorted(f"{j}@{n}" for (j, n) in ours if (j, n) not in ran)
+    kind_of = {a.job: a.kind for a in arrays if a.job}
+    image_of = {raw: images[kind_of[r["JobID"].split("_")[0]]] for raw, r in rows.items()
+                if r["JobID"].split("_")[0] in kind_of}  # fmt: skip
     rec_states = Counter(str(rec.get("state")) for rec in records if str(rec.get("job_id")) in rows)
     slurm_states: Counter[str] = Counter()
     for (raw, _n), c in ran.items():
@@ -234,6 +298,8 @@ def account(
             ),
             "record_states": dict(rec_states),
             "slurm_states": dict(slurm_states),
+            # `tfimage usage report`, what a site reads, against sacct.
+            "report_vs_slurm": report_vs_slurm(site, t0 - 5, ran, rows, image_of),
         },
         "throughput_per_min": {
             "without_faults": round((len(ends) - during) / off * 60, 1),
@@ -265,6 +331,8 @@ def problems(report: dict[str, Any]) -> list[str]:
             out.append(f"usage records: {len(u[what])} {what}: {u[what][:3]}")
     if u.get("without_array_ids"):
         out.append(f"usage records: {u['without_array_ids']} array tasks' without the array's ids")
+    for d in u.get("report_vs_slurm", {}).get("disagree", []):
+        out.append(f"tfimage usage report disagrees with Slurm: {d}")
     if u["bad_lines"]:
         out.append(f"usage records: {u['bad_lines']} unreadable lines")
     for err in report.get("injector_errors", []):
@@ -291,6 +359,15 @@ def table(report: dict[str, Any]) -> str:
         f"{len(u['duplicates'])}, gaps {len(u['gaps'])}, strays {len(u['strays'])}, "
         f"without the array's ids {u['without_array_ids']}; "
         f"states {u['record_states']} (Slurm: {u['slurm_states']})"
+    )
+    vs = u.get("report_vs_slurm", {})
+    lines.append(
+        "tfimage usage report --by image (jobs/failed), against Slurm: "
+        + ", ".join(
+            f"{k} {v['jobs']}/{v['failures']}"
+            + ("" if vs["slurm"].get(k) == v else f" (Slurm {vs['slurm'].get(k)})")
+            for k, v in vs.get("report", {}).items()
+        )
     )
     tp = report["throughput_per_min"]
     lines.append(

@@ -101,7 +101,9 @@ def _run(
         site.run(["scancel", *ids.split(",")])
         log("soak: the timeout ran out; what was left was cancelled and counts as lost")
     _settle(site)
-    report = account(site, arrays, injector.done, (t0, t1), work.expected(), work.refused)
+    report = account(
+        site, arrays, injector.done, (t0, t1), work.expected(), work.refused, work.images
+    )
     for d in {a.workdir for a in arrays}:  # every output is in the report now
         shutil.rmtree(d, ignore_errors=True)
     report["seed"] = work.seed

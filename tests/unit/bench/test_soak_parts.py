@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 from soak import FAULTS, problems
+from soak.account import compare_usage
 from soak.faults import Injector
 from soak.work import expected_output, plan, reason, script_text, slurm_reason
 
@@ -100,3 +101,22 @@ def test_the_faults_come_in_the_seeds_order_each_kind_once() -> None:
     assert Counter(plan_of(46, True)) == Counter(FAULTS)
     assert set(plan_of(46, False)) == set(FAULTS) - {"mirror-5xx-hang"}
     assert any(plan_of(s, True) != plan_of(46, True) for s in range(1, 5))
+
+
+def test_the_usage_report_is_held_to_slurms_runs_per_image_less_the_registry() -> None:
+    rows = {"7": {"State": "COMPLETED"}, "8": {"State": "FAILED"}, "9": {"State": "COMPLETED"}}
+    runs = Counter({("7", "n3"): 1, ("8", "n3"): 1, ("9", "n3"): 1, ("9", "n4"): 1})
+    image_of = {"7": "tiny:1.0", "8": "tiny:1.0", "9": "team-a/tiny:1.0"}
+    groups = [
+        {"key": "10.203.0.1:5443/library/tiny:1.0", "jobs": 1, "failures": 0},
+        {"key": "tiny:1.0", "jobs": 1, "failures": 1},  # never came: named as asked
+        {"key": "10.203.0.1:5443/team-a/tiny:1.0", "jobs": 2, "failures": 0},
+    ]
+    agreed = compare_usage(groups, runs, rows, image_of)
+    assert agreed["disagree"] == []
+    assert agreed["report"]["library/tiny:1.0"] == {"jobs": 2, "failures": 1}
+    groups[2]["jobs"] = 1  # a record missing on one node of the two
+    said = compare_usage(groups, runs, rows, image_of)["disagree"]
+    assert said == [
+        "team-a/tiny:1.0: report {'jobs': 1, 'failures': 0}, Slurm {'jobs': 2, 'failures': 0}"
+    ]
