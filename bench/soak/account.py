@@ -380,6 +380,10 @@ def table(report: dict[str, Any]) -> str:
             f"  fault {f['kind']:<16} {f['node']:<4} {f['end'] - f['start']:5.0f} s; "
             f"a task finished {cost if cost is not None else '-'} s after; {f['detail']}"
         )
+    left = report.get("left_at_timeout", [])
+    if left:
+        lines.append("left when the timeout ran out (cancelled; the logs' last words on it):")
+        lines += [f"  {x[:240]}" for x in left]
     bad = problems(report)
     lines.append("soak: " + ("PASSED" if not bad else "FAILED: " + "; ".join(bad)))
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -97,7 +98,9 @@ def _run(
     injector.stop.set()
     thread.join(timeout=120)
     t1 = time.time()
+    left: list[str] = []
     if t1 >= injector.until and ids:
+        left = leftovers(site, ids)
         site.run(["scancel", *ids.split(",")])
         log("soak: the timeout ran out; what was left was cancelled and counts as lost")
     _settle(site)
@@ -109,7 +112,35 @@ def _run(
     report["seed"] = work.seed
     report["nodes"] = site.nodes
     report["injector_errors"] = injector.errors
+    report["left_at_timeout"] = left
     return report
+
+
+def leftovers(site: Site, ids: str) -> list[str]:
+    """What was still queued when the timeout ran out, and what the logs last said of
+    it: the jobs and their steps as squeue has them, and each one's last lines in
+    slurmctld's, its nodes' slurmd and tfimage daemon logs (a lost task's why)."""
+    jobs = site.run(["squeue", "-h", "-j", ids, "-o", "%i %T %r %N %M"]).stdout.split("\n")
+    steps = site.run(["squeue", "-h", "-s", "-j", ids, "-o", "%i %j %N %M"]).stdout.split("\n")
+    out = [f"job {j}" for j in jobs if j.strip()] + [f"step {s}" for s in steps if s.strip()]
+    logs = site.state / "log"
+    for line in [j for j in jobs if j.strip()][:4]:
+        job, *_rest = line.split()
+        word = re.compile(rf"(?<![\d.:_]){re.escape(job.split('_')[0])}(?![\d.:])")
+        names = ["slurmctld"] + [f"{w}-{n}" for n in site.nodes for w in ("slurmd", "daemon")]
+        for name in names:
+            hits = [h for h in _tail(logs / f"{name}.log") if word.search(h)]
+            out += [f"{name}.log: {h}" for h in hits[-4:]]
+    return out
+
+
+def _tail(path: Path, size: int = 1 << 20) -> list[str]:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - size))
+            return f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
 
 
 def _settle(site: Site) -> None:
