@@ -20,8 +20,9 @@ both users, throttled (``%4``) so that tasks keep flowing while faults come and 
 The faults (seeded; one at a time, each kind at least once, each logged with its
 start and end): the registry stopped (SIGSTOP) and killed (then restarted, as a
 service manager would), the rack mirror answering 5xx then hanging, a node's
-tfimage daemon and a node's slurmd killed (SIGKILL) and restarted, a node's cache
-file system full (a full tmpfs over it), an eviction down to the low watermark
+tfimage daemon killed mid-request (SIGKILL; its worker left running, as the
+unit's KillMode=process does) and a node's slurmd killed, both restarted, a
+node's cache file system full (a full tmpfs over it), an eviction down to the low watermark
 while jobs hold images, and the pin socket flooded by the second user.
 
 The account (a table, or ``--json``): tasks completed, failed with a ``tfimage:``

@@ -114,11 +114,21 @@ class Injector:
         return f"rack mirror 5xx {held / 2:.0f} s, hung {held / 2:.0f} s, rebuilt empty"
 
     def _daemon_kill(self, node: str, held: float) -> str:
+        # Mid-request: once a forked worker serves one (up to ``held`` s for one to
+        # come), as a unit's KillMode=process leaves that worker running.
         pid = self.site.pid(f"daemon-{node}")
+        deadline = time.time() + held
+        workers: list[str] = []
+        while time.time() < deadline and not self.stop.is_set():
+            workers = self.site.run(["pgrep", "-P", str(pid)]).stdout.split()
+            if workers:
+                break
+            self.stop.wait(0.05)
         os.kill(pid, signal.SIGKILL)
-        self.stop.wait(min(held, 5))  # a unit's RestartSec
+        self.stop.wait(2)  # the unit's RestartSec
         self.site.harness("daemon", node)
-        return f"daemon {pid} killed, restarted"
+        when = f"mid-request (worker {workers[0]} left running)" if workers else "idle"
+        return f"daemon {pid} killed {when}, restarted"
 
     def _slurmd_kill(self, node: str, held: float) -> str:
         pid = self.site.pid(f"slurmd-{node}")
