@@ -33,6 +33,8 @@
 # run.
 #
 #   TFIMAGE_OTHER_HOST_STEPS    what runs inside: "demo tests" (default), or one of them;
+#                               "soak" brings its cluster up and runs the short soak
+#                               alone (tests/cluster/test_soak.py), its logs kept;
 #                               "reverse" also runs this script from inside, towards this
 #                               machine's generation (what a machine of the other runs)
 #   TFIMAGE_OTHER_HOST_FLAVORS  the Slurm flavors of the cluster tier inside ("host";
@@ -248,6 +250,17 @@ inside() {
                 TFIMAGE_OTHER_HOST=inside TFIMAGE_FLAVORS=$FLAVORS bash tests/run-all.sh 2>&1 \
                     | tee "$logs/run-all.log" || rc=${PIPESTATUS[0]}
                 cp build/test-summary.txt "$logs/" 2>/dev/null || true ;;
+            soak)
+                # The soak's short form alone, on that generation's cluster (the
+                # cluster tier's test_soak): a soak failure seen in CI, reproduced in
+                # minutes; the cluster's logs are kept beside (cluster-log/).
+                printf '\n=== %s: the short soak (tests/cluster/test_soak.py)\n' "$this"
+                { bash deploy/local/packages.sh && make -s venv spank \
+                    && TFIMAGE_NODES=4 TFIMAGE_BURST=0 bash deploy/local/cluster.sh up \
+                    && TFIMAGE_REQUIRE_CLUSTER=1 .venv/bin/pytest -q -p no:cacheprovider -s \
+                        tests/cluster/test_soak.py; } 2>&1 | tee "$logs/soak.log" \
+                    || rc=${PIPESTATUS[0]}
+                cp -r /var/lib/tfimage-local/log "$logs/cluster-log" 2>/dev/null || true ;;
             reverse)
                 # What a machine of this generation runs: this script, towards the
                 # generation outside (nested namespaces, a root built in here).
