@@ -41,7 +41,8 @@ class Fault:
 
 
 class Injector:
-    """The seeded faults, one at a time, each kind at least once, within ``until``."""
+    """The seeded faults, one at a time, each kind once in each of ``rounds``, within
+    ``until``."""
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class Injector:
         until: float,
         hold: tuple[float, float],
         log: Callable[[str], None],
+        rounds: int = 1,
     ) -> None:
         self.site, self.rng, self.until, self.hold, self.log = site, rng, until, hold, log
         self.done: list[Fault] = []
@@ -57,7 +59,9 @@ class Injector:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         kinds = [k for k in FAULTS if k != "mirror-5xx-hang" or site.mirrored]
-        self.plan = self.rng.sample(kinds, len(kinds))
+        # Every kind once a round, in a new order each round: a long soak meets each
+        # fault again, after other faults and at other loads.
+        self.plan = [k for _ in range(rounds) for k in self.rng.sample(kinds, len(kinds))]
         self.full_node = site.nodes[-1]
 
     def run(self) -> None:

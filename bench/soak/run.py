@@ -63,7 +63,9 @@ def soak(
         plan(tasks, waves or max(1, min(20, tasks // 50))),
     )
     t0 = time.time()
-    injector = Injector(site, rng, t0 + timeout, hold, log)
+    # A round of faults (each kind once) per 500 tasks: the 2,000-task run meets
+    # each fault four times, the CI's 60 tasks once.
+    injector = Injector(site, rng, t0 + timeout, hold, log, rounds=max(1, tasks // 500))
     small_cache(site, injector.full_node, True)
     try:
         return _run(site, injector, work, t0, log)

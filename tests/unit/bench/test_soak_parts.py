@@ -92,7 +92,7 @@ def test_a_clean_report_passes_and_each_kind_of_harm_fails_it_by_name() -> None:
         assert len(found) == 1 and said in found[0], (key, found)
 
 
-def test_the_faults_come_in_the_seeds_order_each_kind_once() -> None:
+def test_the_faults_come_in_the_seeds_order_each_kind_once_a_round() -> None:
     def plan_of(seed: int, mirrored: bool) -> list[str]:
         site: Any = types.SimpleNamespace(nodes=["n3", "n4"], mirrored=mirrored)
         return Injector(site, random.Random(seed), 0.0, (1, 2), print).plan
@@ -101,6 +101,10 @@ def test_the_faults_come_in_the_seeds_order_each_kind_once() -> None:
     assert Counter(plan_of(46, True)) == Counter(FAULTS)
     assert set(plan_of(46, False)) == set(FAULTS) - {"mirror-5xx-hang"}
     assert any(plan_of(s, True) != plan_of(46, True) for s in range(1, 5))
+    site: Any = types.SimpleNamespace(nodes=["n3", "n4"], mirrored=True)
+    four = Injector(site, random.Random(46), 0.0, (1, 2), print, rounds=4).plan
+    assert Counter(four) == Counter({k: 4 for k in FAULTS})
+    assert all(Counter(four[i : i + len(FAULTS)]) == Counter(FAULTS) for i in (0, 8, 16, 24))
 
 
 def test_the_usage_report_is_held_to_slurms_runs_per_image_less_the_registry() -> None:
