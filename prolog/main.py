@@ -34,6 +34,7 @@ from tfimage.agent.core.partition import default_image, rules_for
 from tfimage.agent.gpu.alloc import parse_gpus
 from tfimage.agent.gpu.drain import check_node
 from tfimage.agent.gpu.gate import health, prolog_gate
+from tfimage.agent.hooks import orphan
 from tfimage.agent.hooks.args import parse_hook_args
 from tfimage.agent.hooks.log import LOG_FILE, guarded, hook_logger, log_to
 from tfimage.agent.step.imagemount import make_jobs_dir
@@ -62,6 +63,23 @@ def _prolog(argv: Sequence[str] | None, log: logging.Logger) -> int:
         log_to(LOG_FILE, "prolog")  # no config to name another
         raise
     log_to(Path(cfg.hook_log), "prolog")
+    slurmd = orphan.slurmd()  # the launch's: if it dies under us, the job is requeued
+    try:
+        return _ready(cfg, args, image, started, log)
+    finally:
+        if slurmd is not None and orphan.orphaned(slurmd):
+            # Noted first: the requeue brings the epilog, which records this try.
+            note = _Facts(cfg, job_id, log)
+            note(requeued=True)
+            if not orphan.requeue(slurmd, cfg, job_id, log):
+                note(requeued=False)
+
+
+def _ready(
+    cfg: Config, args: argparse.Namespace, image: str, started: float, log: logging.Logger
+) -> int:
+    """The job's GPUs checked and its image ready on this node."""
+    job_id = args.job_id
     asked = args.image_asked
     if not image and cfg.partitions:
         image = _default(cfg, job_id, args.partition, log)

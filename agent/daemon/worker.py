@@ -26,6 +26,7 @@ from tfimage.agent.core import wire
 from tfimage.agent.core.config import Config
 from tfimage.agent.core.errors import RequestError, TfimageError, cause
 from tfimage.agent.core.logtext import oneline
+from tfimage.agent.hooks import orphan
 
 Route = Callable[[list[str]], int]
 
@@ -53,8 +54,14 @@ def scrub_environment() -> None:
 
 
 def peer_uid(conn: socket.socket) -> int:
+    return peer(conn)[1]
+
+
+def peer(conn: socket.socket) -> tuple[int, int]:
+    """The peer's (pid, uid), as the kernel saw them when it connected."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[1])
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return int(pid), int(uid)
 
 
 def _read_argv(conn: socket.socket, limit: int, timeout: float) -> list[str] | None:
@@ -147,6 +154,8 @@ def work(
         if stage_peer is not None and argv[0] != wire.STAGE_HOOK:
             raise RequestError(f"only {wire.STAGE_HOOK} is served on the stage socket")
         hook = argv[0] in HOOKS
+        if hook:  # its slurmd is its client's (tfimage-hook), not this daemon's parent
+            orphan.watch_peer(peer(conn)[0])
         what = [argv[0] if hook else wire.STEP_PREPARE, *_ids(argv)]
         route: Route = routes[argv[0]] if hook else routes[CLI]
         status, out, err = _captured(route, argv[1:] if hook else argv)

@@ -21,7 +21,9 @@ Schema 1 (every key always present; ``null`` where unknown)::
     gpu_health      {"prolog": "ok" | "warn" | "drain" | null, "epilog": ...}
     start, end      "2026-12-03T17:00:00.000Z"  (the prolog's start, the epilog's)
     wall_seconds    3600.0
-    state           "COMPLETED" | "FAILED" | "SIGNALED" | "UNKNOWN"  from Slurm's exit code
+    state           "COMPLETED" | "FAILED" | "SIGNALED" | "UNKNOWN"  from Slurm's exit code;
+                    "REQUEUED": the prolog requeued the job, its slurmd having died
+                    under it (hooks/orphan.py), and this try never ran
     exit_code       0 | null        signal  0 | null  (SLURM_JOB_EXIT_CODE2, "exit:signal";
                                     null, UNKNOWN: Slurm gave the epilog none)
     tf_workers      4 | null        workers in the largest TF_CONFIG a step got
@@ -145,7 +147,7 @@ def build(
         "start": iso(start),
         "end": iso(end),
         "wall_seconds": round(end - start, 3),
-        "state": state_of(status),
+        "state": "REQUEUED" if facts.get("requeued") is True else state_of(status),
         "exit_code": status[0] if status else None,
         "signal": status[1] if status else None,
         "tf_workers": _num(facts.get("tf_workers"), int),

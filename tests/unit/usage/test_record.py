@@ -101,6 +101,17 @@ def test_an_array_tasks_record_names_its_array_when_slurm_gave_the_epilog_none()
     assert (rec["array_job_id"], rec["array_task_id"]) == ("40", "2")
 
 
+def test_a_try_the_prolog_requeued_is_recorded_requeued_not_as_its_exit_code() -> None:
+    """Its slurmd died under the prolog (hooks/orphan.py): Slurm's 0:0 for a job whose
+    script never ran must not read as a success, nor as the image's failure."""
+    slurm = {**SLURM, "exit": "0:0"}
+    rec = record.build(slurm, {**FACTS, "requeued": True}, end=2e9, gpus=[], epilog_health=None)
+    assert rec["state"] == "REQUEUED" and not record.failed(rec)
+    for flag in (False, "yes", 1):  # only the prolog's own True
+        rec = record.build(slurm, {**FACTS, "requeued": flag}, end=2e9, gpus=[], epilog_health=None)
+        assert rec["state"] == "COMPLETED"
+
+
 def test_a_job_that_no_prolog_readied_is_recorded_with_nulls_not_guesses() -> None:
     slurm = {**SLURM, "uid": "x", "array_job_id": "", "array_task_id": "", "exit": "0:0"}
     rec = record.build(slurm, {"image_error": "reg: unreachable\nFAKE"}, end=2e9, gpus=[],

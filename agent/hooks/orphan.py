@@ -1,0 +1,118 @@
+"""A prolog whose slurmd died under it: the job's launch died with that slurmd.
+
+The soak's finding (bench/soak, CI on 24.11; 22.05 the same): a slurmd killed, or
+restarted, while a batch job's prolog runs is back in seconds, knows nothing of the
+job, and Slurm keeps the job RUNNING with reason ``Prolog`` and no end.  Only a node
+down past SlurmdTimeout, or rebooted, gets it requeued.  The prolog outlives its
+slurmd (slurmd's unit kills the main process alone), so it is the one that knows: at
+its end it asks slurmctld to requeue the job, which runs again, as after a node
+failure.  Nothing else changes: the node is not drained, and the epilog that the
+requeue brings records the try that never ran.
+
+Its slurmd is the nearest ``slurmd`` among the hook's ancestors: the prolog's own
+when run directly, or, in the node daemon's worker, the hook client's (tfimage-hook,
+the worker's peer), so that a daemon restarted under its worker is no slurmd's death.
+A process is known by its pid and its start time, so a pid used again is not taken
+for the slurmd that died.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from tfimage.agent.core.config import Config
+from tfimage.agent.core.errors import TfimageError, cause
+from tfimage.agent.core.toolrun import run, slurm_env, slurm_tool
+
+MAX_DEPTH = 8  # slurmd, a site's prolog script, the hook: a few generations at most
+SCONTROL_TIMEOUT = 20.0
+
+
+@dataclass(frozen=True)
+class Process:
+    pid: int
+    start: int  # clock ticks after boot (/proc/PID/stat's 22nd field)
+
+
+_watched: Process | None = None
+_in_worker = False
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(comm, ppid, start) of ``pid``; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read(4096).decode("ascii", "replace")
+    except OSError:
+        return None
+    # comm is in parentheses and may hold anything, spaces and ")" too: split after
+    # the last ")".
+    head, _, rest = raw.rpartition(")")
+    fields = rest.split()
+    try:
+        return head.partition("(")[2], int(fields[1]), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def slurmd_of(pid: int) -> Process | None:
+    """The nearest ``slurmd`` among ``pid``'s ancestors (None where there is none)."""
+    for _ in range(MAX_DEPTH):
+        st = _stat(pid)
+        if st is None or st[1] <= 1:
+            return None
+        parent = _stat(st[1])
+        if parent is None:
+            return None
+        if parent[0] == "slurmd":
+            return Process(st[1], parent[2])
+        pid = st[1]
+    return None
+
+
+def watch_peer(peer_pid: int) -> None:
+    """In the daemon's worker, before a hook runs: its slurmd is its client's."""
+    global _watched, _in_worker
+    _in_worker = True
+    _watched = slurmd_of(peer_pid) if peer_pid > 0 else None
+
+
+def slurmd() -> Process | None:
+    """The slurmd this hook runs for, as found now (``watch_peer``'s in a worker)."""
+    return _watched if _in_worker else slurmd_of(os.getpid())
+
+
+def gone(p: Process) -> bool:
+    st = _stat(p.pid)
+    return st is None or st[2] != p.start or st[0] != "slurmd"
+
+
+def orphaned(parent: Process | None) -> bool:
+    """Whether ``parent`` (the prolog's slurmd, found at its start) is gone."""
+    return parent is not None and gone(parent)
+
+
+def requeue(parent: Process, cfg: Config, job_id: str, log: logging.Logger) -> bool:
+    """Ask slurmctld to requeue the job whose slurmd (``parent``) died under its
+    prolog, and say so; whether Slurm took it."""
+    argv = [slurm_tool("scontrol", cfg.gpu.slurm_bin), "requeue", job_id]
+    try:
+        run(argv, timeout=SCONTROL_TIMEOUT, what="scontrol requeue", env=slurm_env())
+    except TfimageError as e:
+        log.error(
+            "job %s: slurmd (pid %d) died under the prolog, and the requeue failed: %s; "
+            "Slurm keeps the job in its prolog until an operator requeues or cancels it",
+            job_id,
+            parent.pid,
+            cause(e),
+        )
+        return False
+    log.warning(
+        "job %s: slurmd (pid %d) died under the prolog, which its launch needed: "
+        "requeued (scontrol requeue)",
+        job_id,
+        parent.pid,
+    )
+    return True

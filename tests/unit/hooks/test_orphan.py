@@ -1,0 +1,178 @@
+"""A prolog whose slurmd died under it requeues its job (hooks/orphan.py).
+
+Scenario "slurmd killed under a prolog" (the soak's, bench/soak, 24.11 in CI): Slurm
+keeps such a job in its prolog with no end, since the restarted slurmd knows nothing
+of it.  Here slurmd is a shell named ``slurmd`` (a symlink's name is the process's
+comm, as Slurm's own is) that runs the hook as slurmd runs a Prolog, as its child; the
+prolog is slow because its registry trickles; ``scontrol`` is a stand-in that records
+its arguments (no slurmctld here; tests/cluster/test_soak.py has the real one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hostile import Server
+
+from support import started_daemon
+from tfimage.agent.core.config import load_config
+from tfimage.agent.hooks import orphan
+from tfimage.agent.usage import jobfacts
+
+REPO = Path(__file__).resolve().parents[3]
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def hook_binary() -> Path:
+    subprocess.run(["make", "-s", "-C", str(REPO / "spank"), "all"], check=True, timeout=300)
+    return REPO / "spank" / "build" / "tfimage-hook"
+
+
+def _fake_slurmd(tmp_path: Path) -> Path:
+    exe = tmp_path / "sbin" / "slurmd"
+    exe.parent.mkdir()
+    exe.symlink_to("/bin/sh")
+    return exe
+
+
+def _scontrol(tmp_path: Path, status: int = 0) -> tuple[Path, Path]:
+    bin_dir = tmp_path / "slurm-bin"
+    bin_dir.mkdir()
+    record = tmp_path / "scontrol.args"
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$@" >> {record}\n'
+        f'[ {status} = 0 ] || echo "Requeue of this job is disabled" >&2\nexit {status}\n'
+    )
+    (bin_dir / "scontrol").chmod(0o755)
+    return bin_dir, record
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def test_the_nearest_slurmd_ancestor_is_found_and_known_gone_by_pid_and_start(
+    tmp_path: Path,
+) -> None:
+    slurmd = subprocess.Popen([str(_fake_slurmd(tmp_path)), "-c", "sleep 60 & wait"])
+    try:
+        for _ in range(200):
+            if _children(slurmd.pid):
+                break
+            time.sleep(0.01)
+        (child,) = _children(slurmd.pid)
+        found = orphan.slurmd_of(child)
+        assert found is not None and found.pid == slurmd.pid
+        assert not orphan.gone(found)
+        assert orphan.slurmd_of(os.getpid()) is None  # pytest runs under no slurmd
+        assert orphan.gone(orphan.Process(found.pid, found.start + 1))  # a pid used again
+    finally:
+        slurmd.kill()
+        slurmd.wait()
+    assert orphan.gone(found)
+
+
+def test_an_orphaned_prolog_asks_for_the_requeue_and_a_refused_one_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bin_dir, record = _scontrol(tmp_path, status=1)
+    path = tmp_path / "config.yaml"
+    path.write_text(f'registry: "registry.invalid"\ngpu:\n  slurm_bin: {bin_dir}\n')
+    cfg = load_config(str(path))
+    log = logging.getLogger("test-orphan")
+    slurmd = subprocess.Popen([str(_fake_slurmd(tmp_path)), "-c", "sleep 60 & wait"])
+    try:
+        for _ in range(200):
+            if _children(slurmd.pid):
+                break
+            time.sleep(0.01)
+        found = orphan.slurmd_of(_children(slurmd.pid)[0])
+        assert not orphan.orphaned(found)  # alive: nothing to ask
+        assert not record.exists()
+    finally:
+        slurmd.kill()
+        slurmd.wait()
+    assert found is not None and orphan.orphaned(found)
+    with caplog.at_level(logging.INFO, logger="test-orphan"):
+        assert not orphan.requeue(found, cfg, "46", log)
+    assert record.read_text().splitlines() == ["requeue", "46"]
+    assert "the requeue failed: scontrol requeue: Requeue of this job is disabled" in caplog.text
+
+
+@pytest.mark.parametrize("killed", [True, False], ids=["slurmd killed", "slurmd alive"])
+@pytest.mark.parametrize("through", ["tfimage-hook and the daemon", "the program"])
+def test_a_prolog_whose_slurmd_is_killed_under_it_requeues_its_job_and_only_then(
+    tls: Path, tmp_path: Path, hook_binary: Path, killed: bool, through: str
+) -> None:
+    bin_dir, record = _scontrol(tmp_path)
+    s = Server(tls)
+    (tmp_path / "node").mkdir()
+    try:
+        s.serve(os.urandom(8 << 20), delay=1.0)  # the pull outlasts the kill
+        conf = (
+            f'registry: "{s.host}"\nca_bundle: {tls / "ca.crt"}\n'
+            f"cache_dir: {tmp_path / 'cache'}\nstate_dir: {{run}}\n"
+            f"hook_log: {tmp_path / 'hooks.log'}\nread_timeout: 5\nhook_deadline: 3\n"
+            f"gpu:\n  slurm_bin: {bin_dir}\n"
+        )
+        with started_daemon(tmp_path / "node", conf) as (run, cfg, _):
+            prolog = [str(VENV_BIN / "tfimage-prolog"), f"--config={cfg}", "--job=7", "--image=x:1"]
+            argv = [str(hook_binary), str(run / "daemon.sock"), "3", *prolog]
+            if through == "the program":
+                argv = prolog
+            slurmd = subprocess.Popen(
+                [str(_fake_slurmd(tmp_path)), "-c", '"$@" & wait', "slurmd", *argv],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for _ in range(300):
+                if _children(slurmd.pid):
+                    break
+                time.sleep(0.01)
+            (hook,) = _children(slurmd.pid)
+            for _ in range(300):  # the pull under way: the prolog knows its slurmd
+                if s.b.seen:
+                    break
+                time.sleep(0.01)
+            assert s.b.seen
+            if killed:
+                slurmd.send_signal(signal.SIGKILL)
+            slurmd.wait(timeout=30)
+            for _ in range(300):  # the orphaned hook is no child of ours: watch it end
+                if not Path(f"/proc/{hook}").exists() or _zombie(hook):
+                    break
+                time.sleep(0.05)
+            log = (tmp_path / "hooks.log").read_text()
+            with jobfacts.claimed(str(run), "7") as facts:  # what the epilog records
+                requeued = facts.get("requeued")
+    finally:
+        s.httpd.shutdown()
+    assert "prolog: gave up after 3 s (hook_deadline)" in log, log
+    if killed:
+        assert record.read_text().splitlines() == ["requeue", "7"]
+        assert requeued is True  # the record says REQUEUED: this try never ran
+        assert f"job 7: slurmd (pid {slurmd.pid}) died under the prolog" in log, log
+    else:
+        assert not record.exists()
+        assert requeued is None
+        assert "died under the prolog" not in log
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
