@@ -27,33 +27,41 @@ FINISHED = {
 }
 
 
-SACCT = ["sacct", "-n", "-P", "-X", "-o", "JobIDRaw,JobID,State,ExitCode,NodeList,Start,End"]
+# -D: every attempt of a task, the one Slurm requeued (after a slurmd killed under
+# its prolog: NODE_FAIL) before the one that ran, oldest first.
+SACCT = ["sacct", "-n", "-P", "-X", "-D", "-o", "JobIDRaw,JobID,State,ExitCode,NodeList,Start,End"]
+Row = dict[str, str]
 
 
-def _sacct(site: Site, arrays: list[Array], wait: float = 60) -> dict[str, dict[str, str]]:
-    """Each array task's row, JobIDRaw -> fields, once Slurm's accounting has every
-    task's end (slurmctld sends them to slurmdbd after the jobs end: seconds, more
-    after slurmdbd or slurmd came back), or ``wait`` seconds have gone."""
+def _sacct(site: Site, arrays: list[Array], wait: float = 60) -> tuple[dict[str, Row], list[Row]]:
+    """Each array task's last row (JobIDRaw -> fields) and every attempt's, once
+    Slurm's accounting has every task's end (slurmctld sends them to slurmdbd after
+    the jobs end: seconds, more after slurmdbd or slurmd came back), or ``wait``
+    seconds have gone."""
     ids = ",".join(a.job for a in arrays if a.job)
     if not ids:
-        return {}
+        return {}, []
     want = {f"{a.job}_{i}" for a in arrays if a.job for i in range(a.tasks)}
     deadline = time.monotonic() + wait
     while True:
-        rows = {}
+        attempts = []
         for line in site.run([*SACCT, "-j", ids]).stdout.splitlines():
             raw, jid, st, code, nodes, start, end = line.split("|")
-            rows[raw] = {
-                "JobID": jid,
-                "State": st.split()[0],
-                "ExitCode": code,
-                "NodeList": nodes,
-                "Start": start,
-                "End": end,
-            }
+            attempts.append(
+                {
+                    "JobIDRaw": raw,
+                    "JobID": jid,
+                    "State": st.split()[0],
+                    "ExitCode": code,
+                    "NodeList": nodes,
+                    "Start": start,
+                    "End": end,
+                }
+            )
+        rows = {r["JobIDRaw"]: r for r in attempts}  # the last attempt stays
         ended = {r["JobID"] for r in rows.values() if r["State"] in FINISHED}
         if want <= ended or time.monotonic() > deadline:
-            return rows
+            return rows, attempts
         time.sleep(1)
 
 
@@ -97,8 +105,7 @@ def _image_key(image: str) -> str:
 def report_vs_slurm(
     site: Site,
     since: float,
-    runs: Counter[tuple[str, str]],
-    rows: dict[str, dict[str, str]],
+    runs: list[tuple[str, str, str]],
     image_of: dict[str, str],
 ) -> dict[str, Any]:
     """What ``tfimage usage report --by image`` says of the soak's nodes' usage logs,
@@ -113,24 +120,26 @@ def report_vs_slurm(
     if r.returncode != 0 or not logs:
         said = r.stderr.strip()[-200:] or "no usage log on the soak's nodes"
         return {"slurm": {}, "report": {}, "disagree": [f"the report: {said}"]}
-    return compare_usage(json.loads(r.stdout)["groups"], runs, rows, image_of)
+    return compare_usage(json.loads(r.stdout)["groups"], runs, image_of)
 
 
 def compare_usage(
     groups: list[dict[str, Any]],
-    runs: Counter[tuple[str, str]],
-    rows: dict[str, dict[str, str]],
+    runs: list[tuple[str, str, str]],
     image_of: dict[str, str],
 ) -> dict[str, Any]:
     """Per image, the report's jobs and failures (``groups``: its JSON's) against
-    Slurm's: each job-node run in ``runs`` (sacct's), with its job's image in
-    ``image_of``, failed where its job did not complete.  The images by name less
-    the registry, so that an image that never came (named as asked) is the same."""
+    Slurm's: each job-node run (sacct's job id, node and that attempt's state in
+    ``runs``), with its job's image in ``image_of``, failed where it did not
+    complete.  The images by name less the registry, so that an image that never
+    came (named as asked) is the same."""
     slurm: dict[str, dict[str, int]] = {}
-    for (raw, _node), c in runs.items():
+    for raw, _node, state in runs:
         row = slurm.setdefault(_image_key(image_of.get(raw, "?")), {"jobs": 0, "failures": 0})
-        row["jobs"] += c
-        row["failures"] += c * (rows[raw]["State"] != "COMPLETED")
+        row["jobs"] += 1
+        # A try requeued (by the prolog whose slurmd died) is neither: "REQUEUED" in
+        # both; Slurm's own requeue after a node failure (NODE_FAIL) is a failure.
+        row["failures"] += state not in ("COMPLETED", "REQUEUED")
     ours: dict[str, dict[str, int]] = {}
     for g in groups:
         key = str(g["key"])
@@ -195,12 +204,14 @@ def account(
 ) -> dict[str, Any]:
     """The report: see the package's docstring."""
     t0, t1 = span
-    rows = _sacct(site, arrays)
+    rows, attempts = _sacct(site, arrays)
     by_id = {r["JobID"]: (raw, r) for raw, r in rows.items()}
+    tries = Counter(r["JobID"] for r in attempts)
     tasks: Counter[str] = Counter()
     reasons: Counter[str] = Counter(refused.reasons)
     lost: list[str] = []
     wrong: list[str] = []
+    requeued: list[str] = []
     ends: list[float] = []
     tasks["refused at submit"] = sum(refused.kinds.values())
     for a in arrays:
@@ -212,6 +223,8 @@ def account(
             out = a.workdir / f"{a.kind}-{a.job}_{i}.out"
             text = out.read_text(errors="replace") if out.exists() else ""
             state = row.get("State", "")
+            if tries[tid] > 1:  # a fault of its node's (NODE_FAIL), whatever came after
+                requeued.append(f"{tid} ({a.kind}): {tries[tid]} tries, then {state}")
             if state == "COMPLETED":
                 if text.split() == expected[a.kind]:
                     tasks["completed"] += 1
@@ -226,8 +239,10 @@ def account(
                 # user was told why, by Slurm; counted apart from tfimage's reasons.
                 tasks["failed with Slurm's reason"] += 1
                 reasons[slurm_reason(text)] += 1
-            elif state == "REQUEUED" or "requeue" in state.lower():
-                tasks["requeued"] += 1
+            elif tries[tid] > 1 and state in ("PENDING", "REQUEUED", "CANCELLED"):
+                # Requeued, then waiting out Slurm's delay (EligibleTime: CredExpire
+                # and a second, 121 s) when the run ended: Slurm has it still.
+                tasks["requeued, not run again by the end"] += 1
             else:
                 lost.append(f"{tid} ({a.kind}): {state or 'not in sacct'}: {text[:120]!r}")
     states = {
@@ -235,28 +250,26 @@ def account(
     }
     drained = [n for n, st in states.items() if "drain" in st or st in ("down", "down*", "fail")]
 
-    # One usage record per job and node that ran it (Slurm's NodeList).
+    # One usage record per job and node that ran it (Slurm's NodeList), each attempt.
     records = _usage(site, t0 - 5)
-    ran: Counter[tuple[str, str]] = Counter()
-    for raw, r in rows.items():
+    runs: list[tuple[str, str, str]] = []
+    for r in attempts:
         if r["NodeList"] in ("", "None assigned") or r["Start"] in ("", "Unknown", "None"):
             continue
-        for n in hostnames(site, r["NodeList"]):
-            ran[(raw, n)] += 1
+        runs += [(r["JobIDRaw"], n, r["State"]) for n in hostnames(site, r["NodeList"])]
+    ran = Counter((raw, n) for raw, n, _st in runs)
     seen = Counter(
         (str(rec.get("job_id")), str(rec.get("node"))) for rec in records if "bad" not in rec
     )
     ours = {k: v for k, v in seen.items() if k[0] in rows}
-    duplicates = sorted(f"{j}@{n} x{c}" for (j, n), c in ours.items() if c > 1)
-    gaps = sorted(f"{j}@{n}" for (j, n) in ran if (j, n) not in ours)
+    duplicates = sorted(f"{j}@{n} x{c}" for (j, n), c in ours.items() if c > ran[(j, n)] > 0)
+    gaps = sorted(f"{j}@{n}" for (j, n), c in ran.items() if ours.get((j, n), 0) < c)
     strays = sorted(f"{j}@{n}" for (j, n) in ours if (j, n) not in ran)
     kind_of = {a.job: a.kind for a in arrays if a.job}
     image_of = {raw: images[kind_of[r["JobID"].split("_")[0]]] for raw, r in rows.items()
                 if r["JobID"].split("_")[0] in kind_of}  # fmt: skip
     rec_states = Counter(str(rec.get("state")) for rec in records if str(rec.get("job_id")) in rows)
-    slurm_states: Counter[str] = Counter()
-    for (raw, _n), c in ran.items():
-        slurm_states[rows[raw]["State"]] += c
+    slurm_states = Counter(st for _raw, _n, st in runs)
 
     # Throughput: tasks finished per minute while a fault was on, and while none was;
     # each fault's cost: from its end until a task finished again.
@@ -273,6 +286,7 @@ def account(
     return {
         "tasks": {"submitted": sum(a.tasks for a in arrays), **tasks},
         "lost": lost,
+        "requeued_by_slurm": requeued,
         "wrong_output": wrong,
         "reasons": dict(reasons.most_common()),
         "drained": drained,
@@ -280,7 +294,7 @@ def account(
         "leaks": leaks(site),
         "usage": {
             "records": len(records),
-            "expected": len(ran),
+            "expected": len(runs),
             "duplicates": duplicates,
             "gaps": gaps,
             "strays": strays,
@@ -299,7 +313,7 @@ def account(
             "record_states": dict(rec_states),
             "slurm_states": dict(slurm_states),
             # `tfimage usage report`, what a site reads, against sacct.
-            "report_vs_slurm": report_vs_slurm(site, t0 - 5, ran, rows, image_of),
+            "report_vs_slurm": report_vs_slurm(site, t0 - 5, runs, image_of),
         },
         "throughput_per_min": {
             "without_faults": round((len(ends) - during) / off * 60, 1),
@@ -347,6 +361,9 @@ def table(report: dict[str, Any]) -> str:
         "tasks: " + ", ".join(f"{k} {v}" for k, v in t.items()),
         f"  lost {len(report['lost'])}, wrong output {len(report['wrong_output'])}",
     ]
+    requeued = report.get("requeued_by_slurm", [])
+    if requeued:
+        lines.append(f"  requeued by Slurm ({len(requeued)}): " + "; ".join(requeued[:5]))
     lines += [f"  {n:>5}  {r}" for r, n in report["reasons"].items()]
     lines.append(
         f"nodes drained: {len(report['drained'])}; states: "

@@ -108,19 +108,22 @@ def test_the_faults_come_in_the_seeds_order_each_kind_once_a_round() -> None:
 
 
 def test_the_usage_report_is_held_to_slurms_runs_per_image_less_the_registry() -> None:
-    rows = {"7": {"State": "COMPLETED"}, "8": {"State": "FAILED"}, "9": {"State": "COMPLETED"}}
-    runs = Counter({("7", "n3"): 1, ("8", "n3"): 1, ("9", "n3"): 1, ("9", "n4"): 1})
-    image_of = {"7": "tiny:1.0", "8": "tiny:1.0", "9": "team-a/tiny:1.0"}
+    # Job 8 failed on a node (NODE_FAIL), then ran again; job 10's prolog requeued it
+    # (its slurmd killed under it): that try is neither a success nor a failure.
+    runs = [("7", "n3", "COMPLETED"), ("8", "n3", "NODE_FAIL"), ("8", "n4", "COMPLETED"),
+            ("9", "n3", "COMPLETED"), ("9", "n4", "COMPLETED"), ("10", "n3", "REQUEUED"),
+            ("10", "n3", "COMPLETED")]  # fmt: skip
+    image_of = {"7": "tiny:1.0", "8": "tiny:1.0", "9": "team-a/tiny:1.0", "10": "tiny:1.0"}
     groups = [
-        {"key": "10.203.0.1:5443/library/tiny:1.0", "jobs": 1, "failures": 0},
+        {"key": "10.203.0.1:5443/library/tiny:1.0", "jobs": 4, "failures": 0},
         {"key": "tiny:1.0", "jobs": 1, "failures": 1},  # never came: named as asked
         {"key": "10.203.0.1:5443/team-a/tiny:1.0", "jobs": 2, "failures": 0},
     ]
-    agreed = compare_usage(groups, runs, rows, image_of)
+    agreed = compare_usage(groups, runs, image_of)
     assert agreed["disagree"] == []
-    assert agreed["report"]["library/tiny:1.0"] == {"jobs": 2, "failures": 1}
+    assert agreed["report"]["library/tiny:1.0"] == {"jobs": 5, "failures": 1}
     groups[2]["jobs"] = 1  # a record missing on one node of the two
-    said = compare_usage(groups, runs, rows, image_of)["disagree"]
+    said = compare_usage(groups, runs, image_of)["disagree"]
     assert said == [
         "team-a/tiny:1.0: report {'jobs': 1, 'failures': 0}, Slurm {'jobs': 2, 'failures': 0}"
     ]
