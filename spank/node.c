@@ -300,9 +300,14 @@ int tfi_node_init_post_opt(spank_t sp)
 		slurm_error("tfimage: prepare: cannot read the step's layout from Slurm");
 		return -1;
 	}
-	/* Slurm's own, not the job's environment: the usage record names the array. */
-	if (spank_get_item(sp, S_JOB_ARRAY_ID, &tfi_state.array_job) != ESPANK_SUCCESS ||
-	    spank_get_item(sp, S_JOB_ARRAY_TASK_ID, &tfi_state.array_task) != ESPANK_SUCCESS)
+	/* The array's ids, for the usage record: the batch step's alone, which slurmd
+	 * has from slurmctld's launch message.  A launch step's are read from the
+	 * step's environment (SLURM_ARRAY_*, 22.05.8: slurmstepd_job.c), which the
+	 * user sets, and a plain job's say the job's own id and NO_VAL. */
+	if (step_id != SLURM_BATCH_SCRIPT ||
+	    spank_get_item(sp, S_JOB_ARRAY_ID, &tfi_state.array_job) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_JOB_ARRAY_TASK_ID, &tfi_state.array_task) != ESPANK_SUCCESS ||
+	    tfi_state.array_task >= NO_VAL)
 		tfi_state.array_job = tfi_state.array_task = 0;
 	/* $PWD is the working directory in the common case; a task whose real one
 	 * differs asks again from task_init_privileged. */

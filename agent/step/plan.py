@@ -228,9 +228,17 @@ def _note_workers(cfg: Config, req: StepRequest, env: dict[int, dict[str, str]])
         jobfacts.note_max(cfg.state_dir, req.job_id, "tf_workers", workers)
 
 
+BATCH_STEP = str(0xFFFFFFFB)  # Slurm's SLURM_BATCH_SCRIPT
+NO_VAL = 0xFFFFFFFE
+
+
 def _note_array(cfg: Config, req: StepRequest) -> None:
-    """The job array's ids, for the usage record: slurmd gives the epilog none on 22.05."""
-    if not req.array_job:
+    """The job array's ids, for the usage record: slurmd gives the epilog none on 22.05.
+    The batch step's alone (the plugin sends no other's): a launch step's come from
+    the job's environment, which the user sets."""
+    if not req.array_job or req.step_id != BATCH_STEP:
+        return
+    if not (req.array_task.isdigit() and len(req.array_task) < 11 and int(req.array_task) < NO_VAL):
         return
     with contextlib.suppress(Exception):  # bookkeeping never fails a step
         jobfacts.note(

@@ -270,6 +270,10 @@ def account(
                 if r["JobID"].split("_")[0] in kind_of}  # fmt: skip
     rec_states = Counter(str(rec.get("state")) for rec in records if str(rec.get("job_id")) in rows)
     slurm_states = Counter(st for _raw, _n, st in runs)
+    # Where the epilog has no array ids (22.05), the multi-task kinds' records have none.
+    version = site.run(["scontrol", "--version"]).stdout.split()
+    major = int(version[1].split(".")[0]) if len(version) > 1 and version[1][:2].isdigit() else 99
+    host_batch = {"steps", "multi"} if major < 23 else set()
 
     # Throughput: tasks finished per minute while a fault was on, and while none was;
     # each fault's cost: from its end until a task finished again.
@@ -300,15 +304,28 @@ def account(
             "strays": strays,
             "bad_lines": sum(1 for rec in records if "bad" in rec),
             # Slurm 22.05's slurmd gives its Prolog and Epilog no SLURM_ARRAY_*: the
-            # steps hand the record Slurm's own ids (spank/node.c).
+            # batch step hands the record Slurm's own ids (spank/node.c); a job of
+            # more than one task runs its batch script on the host, no step of ours.
             "without_array_ids": sum(
                 1
                 for rec in records
                 if str(rec.get("job_id")) in rows
                 and rec.get("array_job_id") is None
-                # Only a task that completed surely ran a step, which hands the ids
-                # over; one whose launch a killed slurmd failed never asked.
+                # Only a try that completed surely ran its batch step; one whose
+                # launch a killed slurmd failed, or the prolog requeued, never did.
+                and rec.get("state") == "COMPLETED"
                 and rows[str(rec.get("job_id"))]["State"] == "COMPLETED"
+                and kind_of.get(rows[str(rec.get("job_id"))]["JobID"].split("_")[0])
+                not in host_batch
+            ),
+            # Ids that are not the task's own (a job's environment taken for Slurm's).
+            "wrong_array_ids": sorted(
+                f"{rec.get('job_id')}: {rec.get('array_job_id')}_{rec.get('array_task_id')}"
+                for rec in records
+                if str(rec.get("job_id")) in rows
+                and rec.get("array_job_id") is not None
+                and f"{rec.get('array_job_id')}_{rec.get('array_task_id')}"
+                != rows[str(rec.get("job_id"))]["JobID"]
             ),
             "record_states": dict(rec_states),
             "slurm_states": dict(slurm_states),
@@ -343,6 +360,8 @@ def problems(report: dict[str, Any]) -> list[str]:
     for what in ("duplicates", "gaps", "strays"):
         if u[what]:
             out.append(f"usage records: {len(u[what])} {what}: {u[what][:3]}")
+    if u.get("wrong_array_ids"):
+        out.append(f"usage records: array ids not the task's own: {u['wrong_array_ids'][:3]}")
     if u.get("without_array_ids"):
         out.append(f"usage records: {u['without_array_ids']} array tasks' without the array's ids")
     for d in u.get("report_vs_slurm", {}).get("disagree", []):

@@ -115,6 +115,36 @@ def test_an_array_tasks_usage_record_names_its_array_on_every_slurm(
         assert (recs[0]["array_job_id"], recs[0]["array_task_id"]) == tuple(name.split("_"))
 
 
+def test_array_ids_a_user_exports_for_a_plain_job_never_reach_its_record(
+    cluster: Cluster, workdir: Path
+) -> None:
+    """The array's ids come from Slurm (spank_get_item), never from the job's
+    environment: a user who exports SLURM_ARRAY_* into a plain job cannot make its
+    record claim an array, on either submit path."""
+    since = time.time()
+    lies = "ALL,SLURM_ARRAY_JOB_ID=999,SLURM_ARRAY_TASK_ID=7,SLURM_ARRAY_TASK_COUNT=9"
+    r = cluster.run(
+        ["sbatch", "--parsable", "-p", "all", "-w", "n1", "--tf-image=tiny:1.0",
+         f"--export={lies}", "-o", "batch.out", "--wrap", "echo $SLURM_ARRAY_JOB_ID"],
+        cwd=workdir,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    batch = r.stdout.strip().split(";")[0]
+    s = cluster.run(
+        ["srun", "-p", "all", "-w", "n1", "--tf-image=tiny:1.0", f"--export={lies}",
+         "sh", "-c", "echo $SLURM_JOB_ID $SLURM_ARRAY_JOB_ID"],
+        cwd=workdir,
+    )  # fmt: skip
+    assert s.returncode == 0, s.stderr
+    step, seen = s.stdout.split()
+    assert seen == "999"  # the lie reached the job: what it must not reach is the record
+    for job in (batch, step):
+        recs = records(cluster, "n1", job, since)
+        assert len(recs) == 1, (job, recs)
+        assert (recs[0]["array_job_id"], recs[0]["array_task_id"]) == (None, None), recs[0]
+    assert (workdir / "batch.out").read_text().split() == ["999"]
+
+
 def test_a_two_node_job_leaves_nothing_and_is_recorded_on_each_node(
     cluster: Cluster, workdir: Path
 ) -> None:
