@@ -64,16 +64,21 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _first_child(pid: int) -> int:
+    for _ in range(300):
+        if _children(pid):
+            break
+        time.sleep(0.01)
+    (child,) = _children(pid)
+    return child
+
+
 def test_the_nearest_slurmd_ancestor_is_found_and_known_gone_by_pid_and_start(
     tmp_path: Path,
 ) -> None:
     slurmd = subprocess.Popen([str(_fake_slurmd(tmp_path)), "-c", "sleep 60 & wait"])
     try:
-        for _ in range(200):
-            if _children(slurmd.pid):
-                break
-            time.sleep(0.01)
-        (child,) = _children(slurmd.pid)
+        child = _first_child(slurmd.pid)
         found = orphan.slurmd_of(child)
         assert found is not None and found.pid == slurmd.pid
         assert not orphan.gone(found)
@@ -95,11 +100,7 @@ def test_an_orphaned_prolog_asks_for_the_requeue_and_a_refused_one_is_logged(
     log = logging.getLogger("test-orphan")
     slurmd = subprocess.Popen([str(_fake_slurmd(tmp_path)), "-c", "sleep 60 & wait"])
     try:
-        for _ in range(200):
-            if _children(slurmd.pid):
-                break
-            time.sleep(0.01)
-        found = orphan.slurmd_of(_children(slurmd.pid)[0])
+        found = orphan.slurmd_of(_first_child(slurmd.pid))
         assert not orphan.orphaned(found)  # alive: nothing to ask
         assert not record.exists()
     finally:
