@@ -27,14 +27,17 @@ while jobs hold images, and the pin socket flooded by the second user.
 
 The account (a table, or ``--json``): tasks completed, failed with a ``tfimage:``
 reason (each reason counted), failed with Slurm's own reason (a fault below
-tfimage, such as a slurmd killed under a step's launch), requeued, and lost (none
-of these, which must be 0); nodes
-drained (must be 0: no GPU fault is injected); what the jobs left on each node
-after the last epilog (mounts, loop devices, FUSE processes, holds, per-job state,
-partial downloads, temp files: all 0); usage records against Slurm's accounting
-(one per job and node that ran: duplicates and gaps counted); and throughput with
-and without a fault, with each fault's cost (how long after it ended until a task
-finished again).
+tfimage, such as a slurmd killed under a step's launch), requeued and not run again
+by the end (a slurmd killed under a prolog: the prolog requeues the job, which waits
+out Slurm's requeue delay), and lost (none of these, which must be 0), with every
+task Slurm ran more than once listed; nodes drained (must be 0: no GPU fault is
+injected); what the jobs left on each node after the last epilog (mounts, loop
+devices, FUSE processes, holds, per-job state, partial downloads, temp files: all
+0); usage records against Slurm's accounting (one per try, job and node that ran,
+``sacct -D``: duplicates and gaps counted; array ids the task's own), and
+``tfimage usage report --by image`` against it (jobs and failures per image); and
+throughput with and without a fault, with each fault's cost (how long after it
+ended until a task finished again).
 """
 
 from __future__ import annotations
