@@ -144,15 +144,25 @@ class Injector:
     def _cache_full(self, node: str, held: float) -> str:
         # The node whose cache has a file system of its own (small_cache, run()'s
         # choice): filled to the last byte, as a disk is by another writer, then freed.
-        free = self.site.on_node(node, ["df", "--output=avail", "-B1", CACHE]).stdout.split()[-1]
-        r = self.site.on_node(node, ["fallocate", "-l", free, f"{CACHE}/soak-fill"])
-        if r.returncode != 0:
-            raise RuntimeError(r.stderr.strip())
+        # A pull may take space between df and fallocate (the 2,000-task run's first
+        # try failed so): each try takes what is free then, until nothing is.
+        taken = 0
+        for i in range(20):
+            free = int(
+                self.site.on_node(node, ["df", "--output=avail", "-B1", CACHE]).stdout.split()[-1]
+            )
+            if free < 1 << 20:
+                break
+            r = self.site.on_node(node, ["fallocate", "-l", str(free), f"{CACHE}/soak-fill{i}"])
+            if r.returncode == 0:
+                taken += free
+        if taken == 0:
+            raise RuntimeError(f"{CACHE} on {node}: nothing could be taken")
         try:
             self.stop.wait(held)
         finally:
-            self.site.on_node(node, ["rm", "-f", f"{CACHE}/soak-fill"])
-        return f"{CACHE} full ({int(free) >> 20} MiB taken) for {held:.0f} s"
+            self.site.on_node(node, ["rm", "-f", *(f"{CACHE}/soak-fill{i}" for i in range(20))])
+        return f"{CACHE} full ({taken >> 20} MiB taken) for {held:.0f} s"
 
     def _evict(self, node: str, held: float) -> str:
         # The node's config with its cache's limit and watermarks at the bottom, for
