@@ -157,8 +157,10 @@ def compare_usage(
     return {"slurm": slurm, "report": ours, "disagree": disagree}
 
 
-def leaks(site: Site) -> dict[str, list[str]]:
-    """What jobs left on the soak's nodes once none runs (each list must be empty)."""
+def leaks(site: Site, jobs: set[str]) -> dict[str, list[str]]:
+    """What the soak's ``jobs`` left on its nodes once none runs (each list must be
+    empty).  A hold of another job (one a crash ended before the soak) is not the
+    soak's: the cache drops it at its next prune (cache/evict.py's reclaim)."""
     found: dict[str, list[str]] = {
         k: [] for k in ("mounts", "loops", "fuse", "holds", "job-state", "partials", "temp")
     }
@@ -181,7 +183,7 @@ def leaks(site: Site) -> dict[str, list[str]]:
                 holders = json.loads(meta.read_text()).get("holders", [])
             except ValueError:
                 holders = ["(unreadable)"]
-            found["holds"] += [f"{node}:{meta.stem}:{h}" for h in holders]
+            found["holds"] += [f"{node}:{meta.stem}:{h}" for h in holders if h in jobs]
         for p in cache.glob("tmp/*"):
             (found["partials"] if p.name.endswith(".partial") else found["temp"]).append(
                 f"{node}:{p.name}"
@@ -295,7 +297,7 @@ def account(
         "reasons": dict(reasons.most_common()),
         "drained": drained,
         "node_states": states,
-        "leaks": leaks(site),
+        "leaks": leaks(site, {r["JobIDRaw"] for r in attempts}),
         "usage": {
             "records": len(records),
             "expected": len(runs),
