@@ -102,6 +102,41 @@ def _image_key(image: str) -> str:
     return image if "/" in image else f"library/{image}"
 
 
+def match_records(
+    runs: list[tuple[str, str, str]], seen: Counter[tuple[str, str]]
+) -> dict[str, Any]:
+    """Slurm's tries (``runs``: job id, node, that try's state) against the usage
+    records (``seen``: how many per job id and node).  Every try has one record but a
+    NODE_FAIL one, which has one if its prolog ran (its slurmd died after) and none if
+    its launch died first.  Returns the duplicates, the gaps, the strays, the tries
+    with a record (``recorded``: what the usage report is held to) and the count of
+    NODE_FAIL tries without one (``unlaunched``)."""
+    tries: dict[tuple[str, str], list[str]] = {}
+    for raw, node, state in runs:
+        tries.setdefault((raw, node), []).append(state)
+    duplicates, gaps, recorded = [], [], []
+    unlaunched = 0
+    for (raw, node), states in tries.items():
+        got = seen.get((raw, node), 0)
+        must = [st for st in states if st != "NODE_FAIL"]
+        may = [st for st in states if st == "NODE_FAIL"]
+        if got > len(states):
+            duplicates.append(f"{raw}@{node} x{got}")
+        elif got < len(must):
+            gaps.append(f"{raw}@{node}")
+        kept = may[: max(0, got - len(must))]
+        unlaunched += len(may) - len(kept)
+        recorded += [(raw, node, st) for st in must + kept]
+    strays = sorted(f"{j}@{n}" for (j, n) in seen if (j, n) not in tries)
+    return {
+        "duplicates": sorted(duplicates),
+        "gaps": sorted(gaps),
+        "strays": strays,
+        "recorded": recorded,
+        "unlaunched": unlaunched,
+    }
+
+
 def report_vs_slurm(
     site: Site,
     since: float,
@@ -157,10 +192,12 @@ def compare_usage(
     return {"slurm": slurm, "report": ours, "disagree": disagree}
 
 
-def leaks(site: Site, jobs: set[str]) -> dict[str, list[str]]:
-    """What the soak's ``jobs`` left on its nodes once none runs (each list must be
-    empty).  A hold of another job (one a crash ended before the soak) is not the
-    soak's: the cache drops it at its next prune (cache/evict.py's reclaim)."""
+def leaks(site: Site, ran: set[tuple[str, str]]) -> dict[str, list[str]]:
+    """What the soak's jobs (``ran``: each job id and node that ran it) left on its
+    nodes once none runs (each list must be empty).  A hold of another job is not
+    the soak's: one a crash ended before it, its id used again since (the local
+    cluster's ids start again at each ``up``), which the cache drops at its next
+    prune (cache/evict.py's reclaim)."""
     found: dict[str, list[str]] = {
         k: [] for k in ("mounts", "loops", "fuse", "holds", "job-state", "partials", "temp")
     }
@@ -183,7 +220,7 @@ def leaks(site: Site, jobs: set[str]) -> dict[str, list[str]]:
                 holders = json.loads(meta.read_text()).get("holders", [])
             except ValueError:
                 holders = ["(unreadable)"]
-            found["holds"] += [f"{node}:{meta.stem}:{h}" for h in holders if h in jobs]
+            found["holds"] += [f"{node}:{meta.stem}:{h}" for h in holders if (h, node) in ran]
         for p in cache.glob("tmp/*"):
             (found["partials"] if p.name.endswith(".partial") else found["temp"]).append(
                 f"{node}:{p.name}"
@@ -259,14 +296,11 @@ def account(
         if r["NodeList"] in ("", "None assigned") or r["Start"] in ("", "Unknown", "None"):
             continue
         runs += [(r["JobIDRaw"], n, r["State"]) for n in hostnames(site, r["NodeList"])]
-    ran = Counter((raw, n) for raw, n, _st in runs)
     seen = Counter(
         (str(rec.get("job_id")), str(rec.get("node"))) for rec in records if "bad" not in rec
     )
-    ours = {k: v for k, v in seen.items() if k[0] in rows}
-    duplicates = sorted(f"{j}@{n} x{c}" for (j, n), c in ours.items() if c > ran[(j, n)] > 0)
-    gaps = sorted(f"{j}@{n}" for (j, n), c in ran.items() if ours.get((j, n), 0) < c)
-    strays = sorted(f"{j}@{n}" for (j, n) in ours if (j, n) not in ran)
+    ours = Counter({k: v for k, v in seen.items() if k[0] in rows})
+    matched = match_records(runs, ours)
     kind_of = {a.job: a.kind for a in arrays if a.job}
     image_of = {raw: images[kind_of[r["JobID"].split("_")[0]]] for raw, r in rows.items()
                 if r["JobID"].split("_")[0] in kind_of}  # fmt: skip
@@ -297,13 +331,16 @@ def account(
         "reasons": dict(reasons.most_common()),
         "drained": drained,
         "node_states": states,
-        "leaks": leaks(site, {r["JobIDRaw"] for r in attempts}),
+        "leaks": leaks(site, {(raw, n) for raw, n, _st in runs}),
         "usage": {
             "records": len(records),
-            "expected": len(runs),
-            "duplicates": duplicates,
-            "gaps": gaps,
-            "strays": strays,
+            "expected": len(matched["recorded"]),
+            "duplicates": matched["duplicates"],
+            "gaps": matched["gaps"],
+            "strays": matched["strays"],
+            # Tries whose launch died with their slurmd before any prolog ran on the
+            # node (Slurm: NODE_FAIL): no tfimage hook ran there, so no record.
+            "unlaunched": matched["unlaunched"],
             "bad_lines": sum(1 for rec in records if "bad" in rec),
             # Slurm 22.05's slurmd gives its Prolog and Epilog no SLURM_ARRAY_*: the
             # batch step hands the record Slurm's own ids (spank/node.c); a job of
@@ -332,7 +369,7 @@ def account(
             "record_states": dict(rec_states),
             "slurm_states": dict(slurm_states),
             # `tfimage usage report`, what a site reads, against sacct.
-            "report_vs_slurm": report_vs_slurm(site, t0 - 5, runs, image_of),
+            "report_vs_slurm": report_vs_slurm(site, t0 - 5, matched["recorded"], image_of),
         },
         "throughput_per_min": {
             "without_faults": round((len(ends) - during) / off * 60, 1),
@@ -393,7 +430,8 @@ def table(report: dict[str, Any]) -> str:
     lines.append("leaks: " + ", ".join(f"{k} {len(v)}" for k, v in report["leaks"].items()))
     u = report["usage"]
     lines.append(
-        f"usage records: {u['records']} for {u['expected']} job-node runs; duplicates "
+        f"usage records: {u['records']} for {u['expected']} job-node runs "
+        f"({u.get('unlaunched', 0)} more tries never launched); duplicates "
         f"{len(u['duplicates'])}, gaps {len(u['gaps'])}, strays {len(u['strays'])}, "
         f"without the array's ids {u['without_array_ids']}; "
         f"states {u['record_states']} (Slurm: {u['slurm_states']})"

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 from soak import FAULTS, problems
-from soak.account import compare_usage
+from soak.account import compare_usage, match_records
 from soak.faults import Injector
 from soak.work import expected_output, plan, reason, script_text, slurm_reason
 
@@ -127,3 +127,25 @@ def test_the_usage_report_is_held_to_slurms_runs_per_image_less_the_registry() -
     assert said == [
         "team-a/tiny:1.0: report {'jobs': 1, 'failures': 0}, Slurm {'jobs': 2, 'failures': 0}"
     ]
+
+
+def test_every_try_has_one_record_but_a_node_fail_whose_launch_died_first() -> None:
+    runs = [
+        ("7", "n1", "COMPLETED"),
+        ("8", "n2", "NODE_FAIL"),  # its slurmd died before any prolog: no record
+        ("8", "n2", "COMPLETED"),
+        ("9", "n2", "NODE_FAIL"),  # its prolog ran, then slurmd died: a record
+        ("9", "n1", "COMPLETED"),
+        ("10", "n1", "REQUEUED"),  # the prolog requeued it: a record
+        ("10", "n1", "COMPLETED"),
+    ]
+    seen = Counter({("7", "n1"): 1, ("8", "n2"): 1, ("9", "n2"): 1, ("9", "n1"): 1,
+                    ("10", "n1"): 2})  # fmt: skip
+    m = match_records(runs, seen)
+    assert (m["duplicates"], m["gaps"], m["strays"], m["unlaunched"]) == ([], [], [], 1)
+    assert ("8", "n2", "NODE_FAIL") not in m["recorded"] and len(m["recorded"]) == 6
+    seen[("7", "n1")] = 2
+    seen[("10", "n1")] = 1
+    seen[("11", "n1")] = 1
+    m = match_records(runs, seen)
+    assert (m["duplicates"], m["gaps"], m["strays"]) == (["7@n1 x2"], ["10@n1"], ["11@n1"])
