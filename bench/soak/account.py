@@ -306,10 +306,9 @@ def account(
                 if r["JobID"].split("_")[0] in kind_of}  # fmt: skip
     rec_states = Counter(str(rec.get("state")) for rec in records if str(rec.get("job_id")) in rows)
     slurm_states = Counter(st for _raw, _n, st in runs)
-    # Where the epilog has no array ids (22.05), the multi-task kinds' records have none.
-    version = site.run(["scontrol", "--version"]).stdout.split()
-    major = int(version[1].split(".")[0]) if len(version) > 1 and version[1][:2].isdigit() else 99
-    host_batch = {"steps", "multi"} if major < 23 else set()
+    # The kinds whose batch script runs on the host (more than one task): no step of
+    # theirs has trustworthy array ids, and the epilog gets none (22.05 and 24.11).
+    host_batch = {"steps", "multi"}
 
     # Throughput: tasks finished per minute while a fault was on, and while none was;
     # each fault's cost: from its end until a task finished again.
@@ -342,9 +341,9 @@ def account(
             # node (Slurm: NODE_FAIL): no tfimage hook ran there, so no record.
             "unlaunched": matched["unlaunched"],
             "bad_lines": sum(1 for rec in records if "bad" in rec),
-            # Slurm 22.05's slurmd gives its Prolog and Epilog no SLURM_ARRAY_*: the
-            # batch step hands the record Slurm's own ids (spank/node.c); a job of
-            # more than one task runs its batch script on the host, no step of ours.
+            # slurmd gives its Prolog and Epilog no SLURM_ARRAY_*: the batch step
+            # hands the record Slurm's own ids (spank/node.c); a job of more than
+            # one task runs its batch script on the host, no step of ours.
             "without_array_ids": sum(
                 1
                 for rec in records
