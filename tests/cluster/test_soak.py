@@ -86,12 +86,16 @@ def test_a_slurmd_killed_under_a_prolog_has_its_job_requeued_recorded_once_never
         )
     try:
         shown = ""
-        for _ in range(150):
+        # At the prolog's end: its pull of 1 GB takes 2-3 s here, longer on a busy
+        # machine (hook_deadline bounds it at 600 s).
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
             shown = cluster.run(["scontrol", "-o", "show", "job", job], as_root=True).stdout
             if "Restarts=1" in shown and "JobState=PENDING" in shown:
                 break
-            time.sleep(0.2)
-        assert "Restarts=1" in shown and "JobState=PENDING" in shown, shown
+            time.sleep(0.5)
+        said = [line for line in cluster.hooks_log(node) if f"job {job}:" in line]
+        assert "Restarts=1" in shown and "JobState=PENDING" in shown, (shown, said[-5:])
         cluster.assert_never_drained(node)
         tries = cluster.run(
             ["sacct", "-n", "-P", "-X", "-D", "-j", job, "-o", "State,NodeList"], as_root=True

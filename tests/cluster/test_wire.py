@@ -86,11 +86,13 @@ def test_the_plugin_speaks_exactly_the_wire_in_a_job(
         cwd=workdir,
     )
     assert r.returncode == 0, r.stderr
-    # ...and a one-task batch script run in the image (--script).
+    # ...and a one-task batch script run in the image (--script), an array's task
+    # (--array-job, --array-task: the batch step's alone carry them).
     r, _ = cluster.sbatch(
         workdir,
         "job.sh",
-        "#!/bin/sh\n#SBATCH --tf-image=tiny:1.0\n#SBATCH -w n1\n#SBATCH -o out.txt\ntrue\n",
+        "#!/bin/sh\n#SBATCH --tf-image=tiny:1.0\n#SBATCH -w n1\n#SBATCH --array=0\n"
+        "#SBATCH -o out.txt\ntrue\n",
         "out.txt",
     )
     assert r.returncode == 0, r.stderr
