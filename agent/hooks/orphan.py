@@ -66,10 +66,22 @@ def slurmd_of(pid: int) -> Process | None:
         parent = _stat(st[1])
         if parent is None:
             return None
-        if parent[0] == "slurmd":
+        if _is_slurmd(st[1], parent[0]):
             return Process(st[1], parent[2])
         pid = st[1]
     return None
+
+
+def _is_slurmd(pid: int, comm: str) -> bool:
+    """By its name, or by its program: a slurmd that re-executed itself (24.11's
+    ``scontrol reconfigure``) may bear another name."""
+    if comm == "slurmd":
+        return True
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return False
+    return os.path.basename(exe.removesuffix(" (deleted)")) == "slurmd"
 
 
 def watch_peer(peer_pid: int) -> None:
@@ -85,8 +97,10 @@ def slurmd() -> Process | None:
 
 
 def gone(p: Process) -> bool:
+    """Whether the slurmd ``p`` is gone: its pid ended, or is another's (its start
+    differs).  A slurmd that re-executed itself keeps both: it is not gone."""
     st = _stat(p.pid)
-    return st is None or st[2] != p.start or st[0] != "slurmd"
+    return st is None or st[2] != p.start
 
 
 def orphaned(parent: Process | None) -> bool:

@@ -169,12 +169,16 @@ def compare_usage(
     complete.  The images by name less the registry, so that an image that never
     came (named as asked) is the same."""
     slurm: dict[str, dict[str, int]] = {}
+    node_fail: Counter[str] = Counter()
     for raw, _node, state in runs:
-        row = slurm.setdefault(_image_key(image_of.get(raw, "?")), {"jobs": 0, "failures": 0})
+        key = _image_key(image_of.get(raw, "?"))
+        row = slurm.setdefault(key, {"jobs": 0, "failures": 0})
         row["jobs"] += 1
         # A try requeued (by the prolog whose slurmd died) is neither: "REQUEUED" in
-        # both; Slurm's own requeue after a node failure (NODE_FAIL) is a failure.
-        row["failures"] += state not in ("COMPLETED", "REQUEUED")
+        # both.  A NODE_FAIL try's record says what Slurm gave its epilog: a signal
+        # on 22.05 (failed), 0:0 on 24.11 (completed); either agrees.
+        row["failures"] += state not in ("COMPLETED", "REQUEUED", "NODE_FAIL")
+        node_fail[key] += state == "NODE_FAIL"
     ours: dict[str, dict[str, int]] = {}
     for g in groups:
         key = str(g["key"])
@@ -184,10 +188,18 @@ def compare_usage(
         row = ours.setdefault(_image_key(key), {"jobs": 0, "failures": 0})
         row["jobs"] += int(g["jobs"])
         row["failures"] += int(g["failures"])
+
+    def agree(k: str) -> bool:
+        mine, theirs = ours.get(k), slurm.get(k)
+        if mine is None or theirs is None or mine["jobs"] != theirs["jobs"]:
+            return False
+        return theirs["failures"] <= mine["failures"] <= theirs["failures"] + node_fail[k]
+
     disagree = [
         f"{k}: report {ours.get(k)}, Slurm {slurm.get(k)}"
+        + (f" and {node_fail[k]} NODE_FAIL" if node_fail[k] else "")
         for k in sorted(set(ours) | set(slurm))
-        if ours.get(k) != slurm.get(k)
+        if not agree(k)
     ]
     return {"slurm": slurm, "report": ours, "disagree": disagree}
 
