@@ -258,7 +258,7 @@ inside() {
                 { bash deploy/local/packages.sh && make -s venv spank \
                     && TFIMAGE_NODES=4 TFIMAGE_BURST=0 bash deploy/local/cluster.sh up \
                     && TFIMAGE_REQUIRE_CLUSTER=1 .venv/bin/pytest -q -p no:cacheprovider -s \
-                        tests/cluster/test_soak.py; } 2>&1 | tee "$logs/soak.log" \
+                        tests/cluster/test_crashed_slurmd.py tests/cluster/test_soak.py; } 2>&1 | tee "$logs/soak.log" \
                     || rc=${PIPESTATUS[0]}
                 cp -r /var/lib/tfimage-local/log "$logs/cluster-log" 2>/dev/null || true ;;
             reverse)

@@ -3,15 +3,7 @@ once, a few minutes; nothing lost, leaked, drained or recorded twice."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
-import time
-from datetime import datetime
-from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import REPO, Cluster
@@ -45,83 +37,3 @@ def test_a_short_soak_with_every_fault_loses_leaks_drains_and_doubles_nothing(
         + ", ".join(f"{k} {v}" for k, v in report["tasks"].items())
         + f"; reasons {report['reasons']}; throughput {report['throughput_per_min']}"
     )
-
-
-def test_a_slurmd_killed_under_a_prolog_has_its_job_requeued_recorded_once_never_lost(
-    cluster: Cluster, workdir: Path
-) -> None:
-    """The soak's finding on 24.11 (CI, task 136_0 lost): a slurmd killed while a
-    job's prolog ran comes back knowing nothing of the job, and Slurm kept it in
-    its prolog with no end (22.05 too).  The prolog, which outlives its slurmd, now
-    requeues it (hooks/orphan.py): the job is pending again (121 s: CredExpire and a
-    second), the try is recorded once, as REQUEUED, nothing of it stays on the
-    node, and the node is never drained."""
-    if cluster.chroot:
-        pytest.skip("the host flavor's slurmd is killed (the other host runs it there)")
-    node = "n2"  # straight from the registry: the prolog's pull is a second or more
-    gone = cluster.on_node(node, ["/opt/tfimage/bin/tfimage", "cache", "rm", "tf-custom:2.0"])
-    assert gone.returncode == 0 or "names no cached image" in gone.stderr, gone.stderr
-    since = time.time()
-    job = cluster.submit(
-        workdir, "-p", "all", "-w", node, "--tf-image=tf-custom:2.0", "-o", "/dev/null",
-        "--wrap", "true",
-    )  # fmt: skip
-    slurmd = cluster.node_pid(node)
-
-    def children() -> list[str]:  # of any of slurmd's threads: the prolog, while it runs
-        return [c for t in Path(f"/proc/{slurmd}/task").glob("*") for c in _read(t / "children")]
-
-    tmp = cluster.state / "nodes" / node / "cache" / "tmp"
-    for _ in range(1500):  # the prolog's pull under way: it knows its slurmd by now
-        if children() and any(tmp.glob("*.partial")):
-            break
-        time.sleep(0.01)
-    assert children() and any(tmp.glob("*.partial")), "no prolog pulled"
-    os.kill(slurmd, signal.SIGKILL)
-    try:
-        time.sleep(2)  # the unit's RestartSec
-    finally:
-        subprocess.run(
-            ["bash", str(REPO / "deploy/local/cluster.sh"), "slurmd", node], check=True, timeout=60
-        )
-    try:
-        shown = ""
-        # At the prolog's end: its pull of 1 GB takes 2-3 s here, longer on a busy
-        # machine (hook_deadline bounds it at 600 s).
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            shown = cluster.run(["scontrol", "-o", "show", "job", job], as_root=True).stdout
-            if "Restarts=1" in shown and "JobState=PENDING" in shown:
-                break
-            time.sleep(0.5)
-        said = [line for line in cluster.hooks_log(node) if f"job {job}:" in line]
-        assert "Restarts=1" in shown and "JobState=PENDING" in shown, (shown, said[-5:])
-        cluster.assert_never_drained(node)
-        tries = cluster.run(
-            ["sacct", "-n", "-P", "-X", "-D", "-j", job, "-o", "State,NodeList"], as_root=True
-        ).stdout.split()
-        assert tries[0] == f"REQUEUED|{node}", tries  # the prolog's requeue, not Slurm's
-        log = cluster.state / "nodes" / node / "log" / "usage.jsonl"
-        recs: list[dict[str, Any]] = []
-        for _ in range(150):  # the epilog of the first try, after the requeue
-            recs = [
-                r
-                for r in map(json.loads, log.read_text().splitlines())
-                if r["job_id"] == job and datetime.fromisoformat(r["end"]).timestamp() >= since
-            ]
-            if recs:
-                break
-            time.sleep(0.2)
-        assert [(r["state"], r["node"]) for r in recs] == [("REQUEUED", node)], recs
-        assert not cluster.job_mounts(node, job)
-        run = Path(f"/proc/{cluster.node_pid(node)}/root/run/tfimage")
-        assert not [*run.glob(f"jobs/{job}*"), *run.glob(f"usage/{job}.*")]
-    finally:
-        cluster.run(["scancel", job], as_root=True)
-
-
-def _read(path: Path) -> list[str]:
-    try:
-        return path.read_text().split()
-    except OSError:  # a thread that ended meanwhile
-        return []
