@@ -58,18 +58,25 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
 
 
 def slurmd_of(pid: int) -> Process | None:
-    """The nearest ``slurmd`` among ``pid``'s ancestors (None where there is none)."""
+    """The slurmd daemon among ``pid``'s ancestors (None where there is none): the
+    topmost of the nearest run of slurmd processes.  Slurm 23.11 and later run a
+    prolog through a launcher, slurmd's own program started again between the
+    daemon and the script, which lives as long as the script: that one never dies
+    under the prolog, the daemon does."""
+    found: Process | None = None
     for _ in range(MAX_DEPTH):
         st = _stat(pid)
         if st is None or st[1] <= 1:
-            return None
+            break
         parent = _stat(st[1])
         if parent is None:
-            return None
+            break
         if _is_slurmd(st[1], parent[0]):
-            return Process(st[1], parent[2])
+            found = Process(st[1], parent[2])
+        elif found is not None:
+            break  # above the daemon
         pid = st[1]
-    return None
+    return found
 
 
 def _is_slurmd(pid: int, comm: str) -> bool:

@@ -1,7 +1,7 @@
 """A slurmd that crashes under a prolog (hooks/orphan.py), on the real cluster.
 
-Before test_deployment.py, which reconfigures Slurm: on 24.11 a slurmd killed
-after a reconfigure goes unnoticed by the prolog (a known gap, issue 46's note).
+It runs before test_deployment.py, which reconfigures Slurm; the CI run that
+found the launcher (hooks/orphan.py) failed there, after the reconfigure.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ def test_a_slurmd_killed_under_a_prolog_has_its_job_requeued_recorded_once_never
     node, and the node is never drained."""
     if cluster.chroot:
         pytest.skip("the host flavor's slurmd is killed (the other host runs it there)")
-    # Known gap: on 24.11, after `scontrol reconfigure` (test_deployment's, later in
-    # the tier) the prolog never sees its slurmd die; not yet understood.
     node = "n2"  # straight from the registry: the prolog's pull is a second or more
     gone = cluster.on_node(node, ["/opt/tfimage/bin/tfimage", "cache", "rm", "tf-custom:2.0"])
     assert gone.returncode == 0 or "names no cached image" in gone.stderr, gone.stderr

@@ -90,6 +90,23 @@ def test_the_nearest_slurmd_ancestor_is_found_and_known_gone_by_pid_and_start(
     assert orphan.gone(found)
 
 
+def test_the_daemon_is_found_above_slurms_launcher_not_the_launcher(tmp_path: Path) -> None:
+    """Slurm 23.11+ runs a prolog through a launcher (run_command.c): slurmd's own
+    program again, between the daemon and the script, alive as long as the script.
+    Here the daemon and the launcher are both shells named slurmd."""
+    exe = _fake_slurmd(tmp_path)
+    daemon = subprocess.Popen([str(exe), "-c", f'{exe} -c "sleep 60 & wait" & wait'])
+    try:
+        launcher = _first_child(daemon.pid)
+        script = _first_child(launcher)
+        found = orphan.slurmd_of(script)
+        assert found is not None and found.pid == daemon.pid  # not the launcher
+    finally:
+        subprocess.run(["pkill", "-KILL", "-P", str(launcher)], check=False)
+        daemon.kill()
+        daemon.wait()
+
+
 def test_an_orphaned_prolog_asks_for_the_requeue_and_a_refused_one_is_logged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
