@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -124,7 +125,7 @@ class Injector:
         deadline = time.time() + held
         workers: list[str] = []
         while time.time() < deadline and not self.stop.is_set():
-            workers = self.site.run(["pgrep", "-P", str(pid)]).stdout.split()
+            workers = _children(pid)
             if workers:
                 break
             self.stop.wait(0.05)
@@ -209,6 +210,15 @@ class Injector:
             timeout=held + 60,
         )
         return f"{r.stdout.strip() or '?'} connections from {self.site.users[1]} in {held:.0f} s"
+
+
+def _children(pid: int) -> list[str]:
+    """``pid``'s children, of any of its threads (/proc: no subprocess per poll)."""
+    out: list[str] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            out += (task / "children").read_text().split()
+    return out
 
 
 def small_cache(site: Site, node: str, on: bool) -> None:
