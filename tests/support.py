@@ -354,3 +354,13 @@ def report_figure(line: str) -> None:
     FIGURES.parent.mkdir(parents=True, exist_ok=True)
     with FIGURES.open("a") as f:
         f.write(line.replace("\n", " ").strip() + "\n")
+
+
+def children(pid: int) -> list[int]:
+    """``pid``'s children, of any of its threads: slurmd forks a prolog from a thread
+    of its own, whose children /proc/PID/task/PID/children does not list."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out

@@ -9,9 +9,10 @@ its end it asks slurmctld to requeue the job, which runs again, as after a node
 failure.  Nothing else changes: the node is not drained, and the epilog that the
 requeue brings records the try that never ran.
 
-Its slurmd is the nearest ``slurmd`` among the hook's ancestors: the prolog's own
-when run directly, or, in the node daemon's worker, the hook client's (tfimage-hook,
-the worker's peer), so that a daemon restarted under its worker is no slurmd's death.
+Its slurmd is the slurmd daemon among the hook's ancestors (``slurmd_of``: above
+Slurm's launcher): the prolog's own when run directly, or, in the node daemon's
+worker, the hook client's (tfimage-hook, the worker's peer), so that a daemon
+restarted under its worker is no slurmd's death.
 A process is known by its pid and its start time, so a pid used again is not taken
 for the slurmd that died.
 """

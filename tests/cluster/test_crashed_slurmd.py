@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 from conftest import REPO, Cluster
 
+from support import children
+
 pytestmark = pytest.mark.cluster
 
 
@@ -42,15 +44,12 @@ def test_a_slurmd_killed_under_a_prolog_has_its_job_requeued_recorded_once_never
     )  # fmt: skip
     slurmd = cluster.node_pid(node)
 
-    def children() -> list[str]:  # of any of slurmd's threads: the prolog, while it runs
-        return [c for t in Path(f"/proc/{slurmd}/task").glob("*") for c in _read(t / "children")]
-
     tmp = cluster.state / "nodes" / node / "cache" / "tmp"
     for _ in range(1500):  # the prolog's pull under way: it knows its slurmd by now
-        if children() and any(tmp.glob("*.partial")):
+        if children(slurmd) and any(tmp.glob("*.partial")):
             break
         time.sleep(0.01)
-    assert children() and any(tmp.glob("*.partial")), "no prolog pulled"
+    assert children(slurmd) and any(tmp.glob("*.partial")), "no prolog pulled"
     os.kill(slurmd, signal.SIGKILL)
     try:
         time.sleep(2)  # the unit's RestartSec
@@ -92,10 +91,3 @@ def test_a_slurmd_killed_under_a_prolog_has_its_job_requeued_recorded_once_never
         assert not [*run.glob(f"jobs/{job}*"), *run.glob(f"usage/{job}.*")]
     finally:
         cluster.run(["scancel", job], as_root=True)
-
-
-def _read(path: Path) -> list[str]:
-    try:
-        return path.read_text().split()
-    except OSError:  # a thread that ended meanwhile
-        return []

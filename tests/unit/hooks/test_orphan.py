@@ -5,12 +5,11 @@ keeps such a job in its prolog with no end, since the restarted slurmd knows not
 of it.  Here slurmd is a shell named ``slurmd`` (a symlink's name is the process's
 comm, as Slurm's own is) that runs the hook as slurmd runs a Prolog, as its child; the
 prolog is slow because its registry trickles; ``scontrol`` is a stand-in that records
-its arguments (no slurmctld here; tests/cluster/test_soak.py has the real one).
+its arguments (no slurmctld here; tests/cluster/test_crashed_slurmd.py has the real one).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 from hostile import Server
 
-from support import started_daemon
+from support import children, started_daemon
 from tfimage.agent.core.config import load_config
 from tfimage.agent.hooks import orphan
 from tfimage.agent.usage import jobfacts
@@ -56,20 +55,12 @@ def _scontrol(tmp_path: Path, status: int = 0) -> tuple[Path, Path]:
     return bin_dir, record
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
 def _first_child(pid: int) -> int:
     for _ in range(300):
-        if _children(pid):
+        if children(pid):
             break
         time.sleep(0.01)
-    (child,) = _children(pid)
+    (child,) = children(pid)
     return child
 
 
@@ -157,10 +148,10 @@ def test_a_prolog_whose_slurmd_is_killed_under_it_requeues_its_job_and_only_then
                 stderr=subprocess.DEVNULL,
             )
             for _ in range(300):
-                if _children(slurmd.pid):
+                if children(slurmd.pid):
                     break
                 time.sleep(0.01)
-            (hook,) = _children(slurmd.pid)
+            (hook,) = children(slurmd.pid)
             for _ in range(300):  # the pull under way: the prolog knows its slurmd
                 if s.b.seen:
                     break
