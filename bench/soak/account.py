@@ -204,6 +204,20 @@ def compare_usage(
     return {"slurm": slurm, "report": ours, "disagree": disagree}
 
 
+def node_state(sinfo_out: str) -> str:
+    """A node's state from ``sinfo -N -n NODE -o %T``, which answers once per
+    partition the node is in: each state once, in sinfo's order."""
+    return " ".join(dict.fromkeys(sinfo_out.split())) or "not in sinfo"
+
+
+def is_out_of_service(state: str) -> bool:
+    """Drained, draining, down or failed, in any of the node's partitions."""
+    return any(
+        "drain" in st or st.rstrip("*~#!%$@^-") in ("down", "fail", "failing")
+        for st in state.split()
+    )
+
+
 def leaks(site: Site, ran: set[tuple[str, str]]) -> dict[str, list[str]]:
     """What the soak's jobs (``ran``: each job id and node that ran it) left on its
     nodes once none runs (each list must be empty).  A hold of another job is not
@@ -296,10 +310,9 @@ def account(
                 tasks["requeued, not run again by the end"] += 1
             else:
                 lost.append(f"{tid} ({a.kind}): {state or 'not in sacct'}: {text[:120]!r}")
-    states = {
-        n: site.run(["sinfo", "-h", "-N", "-n", n, "-o", "%T"]).stdout.strip() for n in site.nodes
-    }
-    drained = [n for n, st in states.items() if "drain" in st or st in ("down", "down*", "fail")]
+    states = {n: node_state(site.run(["sinfo", "-h", "-N", "-n", n, "-o", "%T"]).stdout)
+              for n in site.nodes}  # fmt: skip
+    drained = [n for n, st in states.items() if is_out_of_service(st)]
 
     # One usage record per job and node that ran it (Slurm's NodeList), each attempt.
     records = _usage(site, t0 - 5)

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 from soak import FAULTS, problems
-from soak.account import compare_usage, match_records
+from soak.account import compare_usage, is_out_of_service, match_records, node_state
 from soak.faults import Injector
 from soak.work import expected_output, plan, reason, script_text, slurm_reason
 
@@ -153,3 +153,15 @@ def test_every_try_has_one_record_but_a_node_fail_whose_launch_died_first() -> N
     seen[("11", "n1")] = 1
     m = match_records(runs, seen)
     assert (m["duplicates"], m["gaps"], m["strays"]) == (["7@n1 x2"], ["10@n1"], ["11@n1"])
+
+
+def test_a_node_in_three_partitions_is_one_state_and_down_in_any_is_counted() -> None:
+    # sinfo -N -n NODE answers once per partition: the first 2,000-task table said
+    # "n1 planned planned planned", and a down node read "down\ndown" (not "down").
+    assert node_state("planned\nplanned\nplanned\n") == "planned"
+    assert node_state("idle\nmixed\n") == "idle mixed"
+    assert node_state("") == "not in sinfo"
+    for up in ("idle", "mixed", "allocated", "planned", "idle~", "completing", "not in sinfo"):
+        assert not is_out_of_service(up), up
+    for out in ("down\ndown", "down*", "drained", "draining", "fail", "idle drained"):
+        assert is_out_of_service(node_state(out)), out
