@@ -24,9 +24,11 @@ const char *tfi_strip_prefix(const char *msg)
 
 /* Ask the pin server: 0 pinned (out set), 2 input rejected (err set), anything
  * else: pin with the helper.  Half the submit deadline at most, so the helper
- * still has the other half.  argv is the helper's (argv[1..] is sent). */
+ * still has the other half.  argv is the helper's (argv[1..] is sent).  Why a
+ * running pin server did not pin goes to why: when the helper fails too, the
+ * user's own view (no credentials for a private project, say) is not the cause. */
 static int ask_pin_server(char *const argv[], char **out, size_t *len, char *err,
-			  size_t errlen)
+			  size_t errlen, char *why, size_t whylen)
 {
 	int timeout = tfi_conf.submit_timeout > 1 ? tfi_conf.submit_timeout / 2 : 1;
 	int rc;
@@ -36,9 +38,11 @@ static int ask_pin_server(char *const argv[], char **out, size_t *len, char *err
 	rc = tfi_ask_daemon(tfi_conf.pin_socket, argv, timeout, out, len, err, errlen);
 	if (rc == 0 || rc == 2)
 		return rc;
-	if (rc != -2)
+	if (rc != -2) {
+		snprintf(why, whylen, "%s", err[0] ? tfi_strip_prefix(err) : "no answer");
 		slurm_verbose("tfimage: submit: the pin server did not pin (%s); pinning here",
-			      err[0] ? tfi_strip_prefix(err) : "no answer");
+			      why);
+	}
 	free(*out);
 	*out = NULL;
 	*len = 0;
@@ -72,7 +76,7 @@ int tfi_submit_init_post_opt(spank_t sp)
 {
 	const char *job = getenv(TFI_STEP_IMAGE_VAR); /* an srun inside a job */
 	char *binds = NULL, *job_image = NULL, *out = NULL;
-	char err[512];
+	char err[512], host_why[512] = "";
 	size_t len = 0;
 	long long start = tfi_now_ms();
 	int rc;
@@ -93,7 +97,8 @@ int tfi_submit_init_post_opt(spank_t sp)
 		char *argv[] = { tfi_conf.helper, "--config", tfi_conf.config,
 				 TFI_CMD_SUBMIT_CHECK, binds, job_image, "--", tfi_state.image, NULL };
 
-		rc = ask_pin_server(&argv[2], &out, &len, err, sizeof(err));
+		rc = ask_pin_server(&argv[2], &out, &len, err, sizeof(err), host_why,
+				    sizeof(host_why));
 		if (rc == -2) {
 			long long left = tfi_conf.submit_timeout - (tfi_now_ms() - start) / 1000;
 
@@ -112,8 +117,15 @@ int tfi_submit_init_post_opt(spank_t sp)
 		return -1;
 	}
 	if (rc != 0) {
-		slurm_error("tfimage: submit: %s", err[0] ? tfi_strip_prefix(err)
-							: "the image and --tf-mount check failed");
+		const char *own = err[0] ? tfi_strip_prefix(err)
+					 : "the image and --tf-mount check failed";
+
+		/* The host's reason first: the registry down, not the user's credentials. */
+		if (host_why[0] && rc != 2)
+			slurm_error("tfimage: submit: %s; pinning with your own credentials: %s",
+				    host_why, own);
+		else
+			slurm_error("tfimage: submit: %s", own);
 		free(out);
 		return -1;
 	}

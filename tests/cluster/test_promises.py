@@ -222,6 +222,25 @@ def test_registry_down_at_submit_the_last_seen_digest_and_a_warning(
     assert len(lines) == 1 and lines[0].endswith("never seen that tag"), never.stderr
 
 
+def test_registry_killed_a_private_tag_is_refused_for_the_registry_not_the_users_credentials(
+    cluster: Cluster, workdir: Path
+) -> None:
+    # The soak's registry-kill fault: the project proxy still answers, so the pin
+    # server (the host's credentials) gets 502s and the user's own pin a 401 for a
+    # project whose robot only the host has; the user used to read the 401 alone.
+    subprocess.run(["bash", str(CLUSTER_SH), "registry", "stop"], check=True, timeout=60)
+    try:
+        r = cluster.run(["srun", "-N1", "--tf-image=team-a/tiny:never-pinned", "true"], cwd=workdir)
+    finally:
+        subprocess.run(["bash", str(CLUSTER_SH), "registry", "start"], check=True, timeout=120)
+    assert r.returncode != 0
+    lines = [line for line in r.stderr.splitlines() if "error: tfimage:" in line]
+    assert len(lines) == 1, r.stderr
+    host, _, own = lines[0].partition("; pinning with your own credentials: ")
+    assert "answering 502" in host and host.endswith("never seen that tag"), lines[0]
+    assert own, lines[0]  # and what the user's own try met, after it
+
+
 # --- 7. never drains ---------------------------------------------------------------------------
 
 
