@@ -28,11 +28,10 @@ from tfimage.agent.core.deadline import deadline
 from tfimage.agent.core.errors import InputError, NodeFault, PolicyError, TfimageError, cause
 from tfimage.agent.core.fsutil import write_atomic
 from tfimage.agent.core.hostlist import expand_hostlist
-from tfimage.agent.core.ids import valid_job_id
+from tfimage.agent.core.ids import check_node, valid_job_id
 from tfimage.agent.core.logtext import oneline
 from tfimage.agent.core.partition import default_image, rules_for
 from tfimage.agent.gpu.alloc import parse_gpus
-from tfimage.agent.gpu.drain import check_node
 from tfimage.agent.gpu.gate import health, prolog_gate
 from tfimage.agent.hooks import orphan
 from tfimage.agent.hooks.args import parse_hook_args

@@ -18,6 +18,7 @@ from typing import Any
 
 from tfimage.agent.core.config import load_config
 from tfimage.agent.core.errors import TfimageError
+from tfimage.agent.core.ids import check_node
 from tfimage.agent.gpu import drain as slurm
 from tfimage.agent.gpu.alloc import parse_gpus
 from tfimage.agent.gpu.gate import Check, check
@@ -28,7 +29,7 @@ NVIDIACTL = "/dev/nvidiactl"
 
 
 def _node(args: argparse.Namespace) -> str:
-    return slurm.check_node(args.node or socket.gethostname().split(".")[0])
+    return check_node(args.node or socket.gethostname().split(".")[0])
 
 
 def _report(args: argparse.Namespace, got: Check, extra: dict[str, Any]) -> None:

@@ -7,20 +7,12 @@ tell its own drains from a site's, and never touches the site's.
 
 from __future__ import annotations
 
-import re
-
-from tfimage.agent.core.errors import InputError, TfimageError
+from tfimage.agent.core.errors import TfimageError
+from tfimage.agent.core.ids import check_node
 from tfimage.agent.core.toolrun import run, slurm_env, slurm_tool
 
 PREFIX = "tfimage:"
-_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 TIMEOUT = 15.0
-
-
-def check_node(node: str) -> str:
-    if not _NODE.match(node):
-        raise InputError(f"node name {node[:40]!r} is not a Slurm node name")
-    return node
 
 
 def drain(node: str, reason: str, slurm_bin: str = "") -> None:
