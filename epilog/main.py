@@ -25,10 +25,10 @@ from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.core import layout, wire
 from tfimage.agent.core.config import Config, load_config
 from tfimage.agent.core.errors import InputError, NodeFault, TfimageError, cause
-from tfimage.agent.core.ids import valid_job_id
+from tfimage.agent.core.ids import check_node, valid_job_id
 from tfimage.agent.gpu.alloc import parse_gpus
-from tfimage.agent.gpu.drain import check_node
 from tfimage.agent.gpu.gate import drop_baseline, epilog_gate, health, load_baseline
+from tfimage.agent.hooks import vestigial
 from tfimage.agent.hooks.args import parse_hook_args
 from tfimage.agent.hooks.log import LOG_FILE, guarded, hook_logger, log_to
 from tfimage.agent.step.imagemount import release_images, release_job
@@ -66,19 +66,44 @@ def _epilog(argv: Sequence[str] | None, log: logging.Logger) -> int:
         log.error("job %s: cleanup: its usage facts: %s", job_id, cause(e))
         if not cleaned:
             fault = _cleanup(cfg, job_id, slurm, {}, log)
+    try:
+        _reclaim(cfg, job_id, slurm["node"], log)
+    except Exception as e:
+        log.error("job %s: looking for jobs whose epilog never came: %s", job_id, cause(e))
     if fault:
         raise fault  # the drain could not be made: Slurm drains on the exit status
     return 0
 
 
+def _reclaim(cfg: Config, own_job: str, node: str, log: logging.Logger) -> None:
+    """Clean up and record the jobs whose epilog never came (hooks/vestigial.py): no
+    GPU check (their GPUs may be another job's now), and no exit code to record."""
+    for job_id in vestigial.gone(cfg, node, own_job):
+        log.warning(
+            "job %s: its epilog never came (its slurmd gone as it ended?); reclaimed "
+            "by job %s's", job_id, own_job,
+        )  # fmt: skip
+        slurm = {dest: "" for dest in SLURM_ARGS} | {"job_id": job_id, "node": node}
+        with jobfacts.claimed(cfg.state_dir, job_id) as facts:
+            _cleanup(cfg, job_id, slurm, facts, log, check_gpus=False)
+
+
 def _cleanup(
-    cfg: Config, job_id: str, slurm: dict[str, str], facts: dict[str, Any], log: logging.Logger
+    cfg: Config,
+    job_id: str,
+    slurm: dict[str, str],
+    facts: dict[str, Any],
+    log: logging.Logger,
+    *,
+    check_gpus: bool = True,
 ) -> NodeFault | None:
     after: dict[str, Any] = {"gpus": [], "health": None}
     stuck: list[str] = []
     fault: list[NodeFault] = []
 
     def gpus() -> None:
+        if not check_gpus:
+            return
         try:
             after.update(_gpu_check(cfg, job_id, slurm))
         except NodeFault as e:

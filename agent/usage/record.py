@@ -21,7 +21,9 @@ Schema 1 (every key always present; ``null`` where unknown)::
     gpu_health      {"prolog": "ok" | "warn" | "drain" | null, "epilog": ...}
     start, end      "2026-12-03T17:00:00.000Z"  (the prolog's start, the epilog's)
     wall_seconds    3600.0
-    state           "COMPLETED" | "FAILED" | "SIGNALED" | "UNKNOWN"  from Slurm's exit code;
+    state           "COMPLETED" | "FAILED" | "SIGNALED" | "UNKNOWN"  from Slurm's exit code
+                    (UNKNOWN too for a job whose epilog never came, reclaimed by a
+                    later one: hooks/vestigial.py; its end is then the reclaim's);
                     "REQUEUED": the prolog requeued the job, its slurmd having died
                     under it (hooks/orphan.py), and this try never ran
     exit_code       0 | null        signal  0 | null  (SLURM_JOB_EXIT_CODE2, "exit:signal";
