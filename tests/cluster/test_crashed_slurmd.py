@@ -1,13 +1,16 @@
 """A slurmd that crashes under a prolog (hooks/orphan.py), on the real cluster.
 
-It runs before test_deployment.py, which reconfigures Slurm; the CI run that
-found the launcher (hooks/orphan.py) failed there, after the reconfigure.
+Twice on Slurm 23.11 and later, where a prolog runs under a launcher (slurmd's own
+program again): as the daemon first started, and after ``scontrol reconfigure``,
+when that launcher is named ``slurmd`` too (the CI run that found it failed
+there, with test_deployment.py's reconfigure run before).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -23,8 +26,42 @@ from support import children
 pytestmark = pytest.mark.cluster
 
 
+def _launcher_since_23_11(cluster: Cluster) -> bool:
+    said = cluster.run(["scontrol", "--version"], as_root=True).stdout
+    found = re.search(r"(\d+)\.(\d+)\.\d+", said)
+    assert found, said
+    return (int(found[1]), int(found[2])) >= (23, 11)
+
+
+def _reconfigured(cluster: Cluster, node: str) -> None:
+    """``scontrol reconfigure``, and the node's slurmd through it: 24.11's execs a
+    new slurmd, which takes over once started (10 s here); a prolog launched before
+    then is the old one's, the case the first run of the test has."""
+    log = cluster.state / "log" / f"slurmd-{node}.log"
+    seen = log.stat().st_size
+    r = cluster.run(["scontrol", "reconfigure"], as_root=True)
+    assert r.returncode == 0, r.stderr
+    said = ""
+    for _ in range(600):
+        with log.open("rb") as f:
+            f.seek(seen)
+            said = f.read().decode(errors="replace")
+        if "reconfigure" in said and "slurmd started on" in said.split("reconfigure", 1)[1]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"{node}'s slurmd after the reconfigure said: {said[-600:]!r}")
+    for _ in range(300):  # and back in service, taking jobs
+        state = cluster.run(["sinfo", "-h", "-n", node, "-o", "%T"], as_root=True).stdout
+        if state.split() and set(state.split()) <= {"idle", "mixed"}:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{node} after the reconfigure: {state!r}")
+
+
+@pytest.mark.parametrize("slurmd_since", ["its start", "a reconfigure"])
 def test_a_slurmd_killed_under_a_prolog_has_its_job_requeued_recorded_once_never_lost(
-    cluster: Cluster, workdir: Path
+    cluster: Cluster, workdir: Path, slurmd_since: str
 ) -> None:
     """The soak's finding on 24.11 (CI, task 136_0 lost): a slurmd killed while a
     job's prolog ran comes back knowing nothing of the job, and Slurm kept it in
@@ -34,7 +71,12 @@ def test_a_slurmd_killed_under_a_prolog_has_its_job_requeued_recorded_once_never
     node, and the node is never drained."""
     if cluster.chroot:
         pytest.skip("the host flavor's slurmd is killed (the other host runs it there)")
-    node = "n2"  # straight from the registry: the prolog's pull is a second or more
+    node = "n2"
+    if slurmd_since == "a reconfigure":
+        if not _launcher_since_23_11(cluster):
+            pytest.skip("before Slurm 23.11 a prolog has no launcher: the same as the first")
+        _reconfigured(cluster, node)
+    # Straight from the registry: the prolog's pull is a second or more.
     gone = cluster.on_node(node, ["/opt/tfimage/bin/tfimage", "cache", "rm", "tf-custom:2.0"])
     assert gone.returncode == 0 or "names no cached image" in gone.stderr, gone.stderr
     since = time.time()
