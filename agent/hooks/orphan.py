@@ -29,6 +29,7 @@ from tfimage.agent.core.toolrun import run, slurm_env, slurm_tool
 
 MAX_DEPTH = 8  # slurmd, a site's prolog script, the hook: a few generations at most
 SCONTROL_TIMEOUT = 20.0
+SLURMD_NAMES = ("slurmd", "slurmd-wlm")  # Slurm's own, Debian's (slurm-wlm)
 
 
 @dataclass(frozen=True)
@@ -81,15 +82,17 @@ def slurmd_of(pid: int) -> Process | None:
 
 
 def _is_slurmd(pid: int, comm: str) -> bool:
-    """By its name, or by its program: a slurmd that re-executed itself (24.11's
-    ``scontrol reconfigure``) may bear another name."""
-    if comm == "slurmd":
+    """By its name, or by its program.  Debian installs the daemon as slurmd-wlm
+    (``slurmd`` is an alternatives link): started as ``slurmd`` it is named so, but
+    24.11's ``scontrol reconfigure`` re-executes it in place by its real path, and
+    from then on it is ``slurmd-wlm``, by name and by program."""
+    if comm in SLURMD_NAMES:
         return True
     try:
         exe = os.readlink(f"/proc/{pid}/exe")
     except OSError:
         return False
-    return os.path.basename(exe.removesuffix(" (deleted)")) == "slurmd"
+    return os.path.basename(exe.removesuffix(" (deleted)")) in SLURMD_NAMES
 
 
 def watch_peer(peer_pid: int) -> None:

@@ -36,8 +36,8 @@ def hook_binary() -> Path:
     return REPO / "spank" / "build" / "tfimage-hook"
 
 
-def _fake_slurmd(tmp_path: Path) -> Path:
-    exe = tmp_path / "sbin" / "slurmd"
+def _fake_slurmd(tmp_path: Path, name: str = "slurmd") -> Path:
+    exe = tmp_path / "sbin" / name
     exe.parent.mkdir()
     exe.symlink_to("/bin/sh")
     return exe
@@ -79,6 +79,24 @@ def test_the_nearest_slurmd_ancestor_is_found_and_known_gone_by_pid_and_start(
         slurmd.kill()
         slurmd.wait()
     assert orphan.gone(found)
+
+
+def test_debians_slurmd_wlm_re_executed_by_a_24_11_reconfigure_is_still_its_slurmd(
+    tmp_path: Path,
+) -> None:
+    # Scenario "slurmd killed under a prolog after a reconfigure" (trixie, 24.11.5):
+    # `scontrol reconfigure` re-executes slurmd in place by its real path,
+    # /usr/sbin/slurmd-wlm, and the hook under it found no slurmd: no requeue, the job
+    # in its prolog for good (tests/cluster/test_crashed_slurmd.py, "a reconfigure").
+    slurmd = subprocess.Popen([str(_fake_slurmd(tmp_path, "slurmd-wlm")), "-c", "sleep 60 & wait"])
+    try:
+        child = _first_child(slurmd.pid)
+        assert Path(f"/proc/{slurmd.pid}/comm").read_text().strip() == "slurmd-wlm"
+        found = orphan.slurmd_of(child)
+        assert found is not None and found.pid == slurmd.pid
+    finally:
+        slurmd.kill()
+        slurmd.wait()
 
 
 def test_the_daemon_is_found_above_slurms_launcher_not_the_launcher(tmp_path: Path) -> None:
