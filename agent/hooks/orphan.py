@@ -9,8 +9,9 @@ its end it asks slurmctld to requeue the job, which runs again, as after a node
 failure.  Nothing else changes: the node is not drained, and the epilog that the
 requeue brings records the try that never ran.
 
-Its slurmd is the slurmd daemon among the hook's ancestors (``slurmd_of``: above
-Slurm's launcher): the prolog's own when run directly, or, in the node daemon's
+Its slurmd is the slurmd daemon among the hook's ancestors (``slurmd_of``: by its
+name or program, Slurm's ``slurmd`` or Debian's ``slurmd-wlm``; above any launcher
+of slurmd's own program): the prolog's own when run directly, or, in the node daemon's
 worker, the hook client's (tfimage-hook, the worker's peer), so that a daemon
 restarted under its worker is no slurmd's death.
 A process is known by its pid and its start time, so a pid used again is not taken

@@ -1,9 +1,9 @@
 """A slurmd that crashes under a prolog (hooks/orphan.py), on the real cluster.
 
-Twice on Slurm 23.11 and later, where a prolog runs under a launcher (slurmd's own
-program again): as the daemon first started, and after ``scontrol reconfigure``,
-when that launcher is named ``slurmd`` too (the CI run that found it failed
-there, with test_deployment.py's reconfigure run before).
+Twice on Slurm 23.11 and later, whose ``scontrol reconfigure`` re-executes slurmd:
+as the daemon first started, and after a reconfigure, when Debian's daemon is
+named ``slurmd-wlm`` (its real program's name; the CI run at c5c63bf failed there,
+with test_deployment.py's reconfigure run before).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from support import children
 pytestmark = pytest.mark.cluster
 
 
-def _launcher_since_23_11(cluster: Cluster) -> bool:
+def _reexecuted_since_23_11(cluster: Cluster) -> bool:
     said = cluster.run(["scontrol", "--version"], as_root=True).stdout
     found = re.search(r"(\d+)\.(\d+)\.\d+", said)
     assert found, said
@@ -73,8 +73,8 @@ def test_a_slurmd_killed_under_a_prolog_has_its_job_requeued_recorded_once_never
         pytest.skip("the host flavor's slurmd is killed (the other host runs it there)")
     node = "n2"
     if slurmd_since == "a reconfigure":
-        if not _launcher_since_23_11(cluster):
-            pytest.skip("before Slurm 23.11 a prolog has no launcher: the same as the first")
+        if not _reexecuted_since_23_11(cluster):
+            pytest.skip("before Slurm 23.11 a reconfigure leaves slurmd as it was: the first")
         _reconfigured(cluster, node)
     # Straight from the registry: the prolog's pull is a second or more.
     gone = cluster.on_node(node, ["/opt/tfimage/bin/tfimage", "cache", "rm", "tf-custom:2.0"])
