@@ -120,8 +120,9 @@ int tfi_submit_init_post_opt(spank_t sp)
 		const char *own = err[0] ? tfi_strip_prefix(err)
 					 : "the image and --tf-mount check failed";
 
-		/* The host's reason first: the registry down, not the user's credentials. */
-		if (host_why[0] && rc != 2)
+		/* The host's reason first: the registry down, not the user's credentials;
+		 * once where both said the same (a repository neither may read). */
+		if (host_why[0] && rc != 2 && strcmp(host_why, own) != 0)
 			slurm_error("tfimage: submit: %s; pinning with your own credentials: %s",
 				    host_why, own);
 		else
