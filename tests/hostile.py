@@ -42,6 +42,7 @@ class Behaviour:
     redirect_blob: str | None = None  # answer blob GETs with 307 to this Location
     basic: bool = False  # challenge requests without credentials for Basic auth
     status: int | None = None  # answer every request with this status and nothing else
+    blob_status: int | None = None  # answer blob requests alone with this status
     # Shed load as Harbor's max_upstream_conn does: 429 with Retry-After to any
     # request beyond this many in flight; how many were shed, and the most served
     # at once.
@@ -155,6 +156,11 @@ class Server:
                     self.send_header("Content-Length", str(len(b.manifest)))
                     self.end_headers()
                     self.wfile.write(b.manifest)
+                    return
+                if b.blob_status is not None and "/blobs/" in self.path:
+                    self.send_response(b.blob_status)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
                     return
                 if b.redirect_blob is not None and "/blobs/" in self.path:
                     self.send_response(307)

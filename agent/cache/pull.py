@@ -290,7 +290,11 @@ class Puller:
                 # This registry streams whole blobs only: one stream, from what came.
                 self._fetch(client, ref, layer, tmp, 1, progress)
         except RegistryUnreachable:
-            raise  # keep the partial file: the next pull resumes it
+            # Kept for the next pull to resume (the maintenance prune drops it after
+            # cache_min_age); one too short to resume from is nobody's.
+            if _resumable(tmp) == 0:
+                discard(tmp)
+            raise
         except OSError as e:
             discard(tmp)
             raise CacheError(f"{self.cache.root}: cannot store {ref.name}: {e.strerror}") from None
@@ -352,3 +356,14 @@ class Puller:
             if problem is not None:
                 raise VerificationError(f"{ref.name}: sha256 of the download does not match")
             os.fsync(out.fileno())
+
+
+def _resumable(partial: Path) -> int:
+    """How much of ``partial`` a pull would resume from: whole O_DIRECT blocks."""
+    from tfimage.agent.cache.download import ALIGN
+
+    try:
+        size = partial.lstat().st_size
+    except FileNotFoundError:
+        return 0
+    return size - size % ALIGN
