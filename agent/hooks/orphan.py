@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 from tfimage.agent.core.config import Config
@@ -115,6 +116,30 @@ def gone(p: Process) -> bool:
     return st is None or st[2] != p.start
 
 
+_ID = re.compile(r"[0-9]{1,10}")
+
+
+def alone(job_id: str, listed: str) -> str:
+    """The name that ``scontrol requeue`` takes for job ``job_id`` alone, from
+    ``squeue -h -j ID -o %A|%F|%K`` (job id, array job id, array task id): an
+    array task's ``ARRAY_TASK``.  The task whose job id is its array's (the last
+    one started, the array's own record) would be the whole array to slurmctld,
+    which requeued every task of it, those running fine too (the soak on 24.11 in
+    CI, 2026-12-07; `scontrol requeue` of that id on 22.05.8 the same).  Raises
+    when squeue does not list the job."""
+    for line in listed.splitlines():
+        raw, _, rest = line.partition("|")
+        if raw != job_id:
+            continue  # squeue -j ARRAY_ID lists every task of the array
+        array, _, task = rest.partition("|")
+        if task == "N/A":
+            return job_id
+        if _ID.fullmatch(array) and _ID.fullmatch(task):
+            return f"{array}_{task}"
+        raise TfimageError(f"squeue: job {job_id}: array {array[:20]!r}, task {task[:20]!r}")
+    raise TfimageError(f"squeue: job {job_id} is not listed")
+
+
 def orphaned(parent: Process | None) -> bool:
     """Whether ``parent`` (the prolog's slurmd, found at its start) is gone."""
     return parent is not None and gone(parent)
@@ -123,8 +148,14 @@ def orphaned(parent: Process | None) -> bool:
 def requeue(parent: Process, cfg: Config, job_id: str, log: logging.Logger) -> bool:
     """Ask slurmctld to requeue the job whose slurmd (``parent``) died under its
     prolog, and say so; whether Slurm took it."""
-    argv = [slurm_tool("scontrol", cfg.gpu.slurm_bin), "requeue", job_id]
     try:
+        listed = run(
+            [slurm_tool("squeue", cfg.gpu.slurm_bin), "-h", "-j", job_id, "-o", "%A|%F|%K"],
+            timeout=SCONTROL_TIMEOUT,
+            what="squeue",
+            env=slurm_env(),
+        )
+        argv = [slurm_tool("scontrol", cfg.gpu.slurm_bin), "requeue", alone(job_id, listed)]
         run(argv, timeout=SCONTROL_TIMEOUT, what="scontrol requeue", env=slurm_env())
     except TfimageError as e:
         log.error(
@@ -137,8 +168,9 @@ def requeue(parent: Process, cfg: Config, job_id: str, log: logging.Logger) -> b
         return False
     log.warning(
         "job %s: slurmd (pid %d) died under the prolog, which its launch needed: "
-        "requeued (scontrol requeue)",
+        "requeued (scontrol requeue %s)",
         job_id,
         parent.pid,
+        argv[-1],
     )
     return True

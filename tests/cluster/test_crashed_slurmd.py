@@ -133,3 +133,59 @@ def test_a_slurmd_killed_under_a_prolog_has_its_job_requeued_recorded_once_never
         assert not [*run.glob(f"jobs/{job}*"), *run.glob(f"usage/{job}.*")]
     finally:
         cluster.run(["scancel", job], as_root=True)
+
+
+def test_an_orphaned_array_task_with_the_arrays_id_requeues_itself_not_its_siblings(
+    cluster: Cluster, workdir: Path
+) -> None:
+    """The soak on 24.11 (CI, 2026-12-07): slurmd killed under the prolog of array
+    task 140_1, whose job id was the array's, 140; `scontrol requeue 140` was the
+    whole array to slurmctld, and 140_0, running fine, was requeued too.  Here the
+    prolog's requeue (hooks/orphan.py, as the orphaned prolog calls it) is asked for
+    that task while its siblings run: they are left running."""
+    array = cluster.submit(
+        workdir, "-p", "all", "-a", "0-2", "-o", "/dev/null", "--wrap", "sleep 300"
+    )
+    try:
+        listed: list[str] = []
+        for _ in range(300):
+            listed = cluster.run(
+                ["squeue", "-h", "-j", array, "-o", "%A|%i|%T"], as_root=True
+            ).stdout.split()
+            if len(listed) == 3 and all(row.endswith("|RUNNING") for row in listed):
+                break
+            time.sleep(0.1)
+        assert len(listed) == 3 and all(r.endswith("|RUNNING") for r in listed), listed
+        # The task started last took the array's own record, and its id.
+        [own] = [row.split("|")[1] for row in listed if row.split("|")[0] == array]
+        asked = subprocess.run(
+            [
+                str(REPO / ".venv/bin/python"),
+                "-c",
+                "import logging, sys\n"
+                "from tfimage.agent.core.config import load_config\n"
+                "from tfimage.agent.hooks import orphan\n"
+                "logging.basicConfig()\n"
+                "cfg = load_config(sys.argv[1])\n"
+                "ok = orphan.requeue(orphan.Process(1, 0), cfg, sys.argv[2], logging.getLogger())\n"
+                "sys.exit(0 if ok else 1)\n",
+                cluster.env["TFIMAGE_CONFIG"],
+                array,
+            ],
+            env=cluster.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert asked.returncode == 0, asked.stderr
+        time.sleep(2)  # anything else requeued would be pending by now
+        after = cluster.run(
+            ["squeue", "-h", "-j", array, "-o", "%i|%T"], as_root=True
+        ).stdout.split()
+        assert sorted(after) == sorted(
+            f"{row.split('|')[1]}|{'PENDING' if row.split('|')[1] == own else 'RUNNING'}"
+            for row in listed
+        ), after
+        assert f"requeued (scontrol requeue {own})" in asked.stderr, asked.stderr
+    finally:
+        cluster.run(["scancel", array], as_root=True)

@@ -23,6 +23,7 @@ from hostile import Server
 
 from support import children, started_daemon
 from tfimage.agent.core.config import load_config
+from tfimage.agent.core.errors import TfimageError
 from tfimage.agent.hooks import orphan
 from tfimage.agent.usage import jobfacts
 
@@ -43,7 +44,9 @@ def _fake_slurmd(tmp_path: Path, name: str = "slurmd") -> Path:
     return exe
 
 
-def _scontrol(tmp_path: Path, status: int = 0) -> tuple[Path, Path]:
+def _scontrol(tmp_path: Path, status: int = 0, listed: str | None = None) -> tuple[Path, Path]:
+    """Stand-ins: scontrol records its arguments; squeue lists ``listed`` (by default,
+    the job it is asked for as no array's)."""
     bin_dir = tmp_path / "slurm-bin"
     bin_dir.mkdir()
     record = tmp_path / "scontrol.args"
@@ -51,8 +54,60 @@ def _scontrol(tmp_path: Path, status: int = 0) -> tuple[Path, Path]:
         f'#!/bin/sh\nprintf "%s\\n" "$@" >> {record}\n'
         f'[ {status} = 0 ] || echo "Requeue of this job is disabled" >&2\nexit {status}\n'
     )
-    (bin_dir / "scontrol").chmod(0o755)
+    if listed is None:
+        listing = 'echo "$3|$3|N/A"'  # squeue -h -j ID -o FORMAT
+    else:
+        (tmp_path / "squeue.out").write_text(listed)
+        listing = f"cat {tmp_path / 'squeue.out'}"
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\n{listing}\n")
+    for tool in ("scontrol", "squeue"):
+        (bin_dir / tool).chmod(0o755)
     return bin_dir, record
+
+
+# `squeue -h -j 61 -o '%A|%F|%K'` on 22.05.8 while array 61 (0-9) ran its tasks 0-7:
+# every task of the array, the pending rest under the array's own id.
+ARRAY_61 = "61|61|8-9\n70|61|7\n69|61|6\n64|61|1\n63|61|0\n"
+
+
+@pytest.mark.parametrize(
+    ("job_id", "listed", "name"),
+    [
+        ("62", "62|62|N/A\n", "62"),
+        ("64", "64|61|1\n", "61_1"),
+        ("61", ARRAY_61.replace("8-9", "9"), "61_9"),  # the array's own id: its last task
+    ],
+    ids=["a job of no array", "a task with an id of its own", "the task with the array's id"],
+)
+def test_an_array_task_is_requeued_by_its_array_and_task_never_as_the_whole_array(
+    job_id: str, listed: str, name: str
+) -> None:
+    assert orphan.alone(job_id, listed) == name
+
+
+@pytest.mark.parametrize(
+    "listed",
+    ["", "63|61|0\n", "61|61|8-9\n", "61|61|x;y\n", "61|61\n"],
+    ids=["not listed", "only a sibling", "the pending rest", "not numbers", "no task field"],
+)
+def test_a_listing_that_does_not_name_one_task_of_the_job_is_no_requeue(listed: str) -> None:
+    with pytest.raises(TfimageError, match="squeue: job 61"):
+        orphan.alone("61", listed)
+
+
+def test_an_orphaned_array_task_with_the_arrays_id_requeues_that_task_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The soak on 24.11 (CI, 2026-12-07): slurmd killed under task 140_1's prolog,
+    # whose job id was 140; `scontrol requeue 140` requeued 140_0 as well.
+    bin_dir, record = _scontrol(tmp_path, listed=ARRAY_61.replace("8-9", "9"))
+    path = tmp_path / "config.yaml"
+    path.write_text(f'registry: "registry.invalid"\ngpu:\n  slurm_bin: {bin_dir}\n')
+    log = logging.getLogger("test-orphan")
+    with caplog.at_level(logging.INFO, logger="test-orphan"):
+        assert orphan.requeue(orphan.Process(1, 0), load_config(str(path)), "61", log)
+    assert record.read_text().splitlines() == ["requeue", "61_9"]
+    assert "requeued (scontrol requeue 61_9)" in caplog.text
 
 
 def _first_child(pid: int) -> int:
