@@ -39,8 +39,10 @@ _JOB_OF_NAME = re.compile(r"(\d{1,10})(?:\.|\Z)")
 _STEPD = re.compile(rb"slurmstepd: \[(\d{1,10})[.\]]")
 
 
-def _job_ids(names: Iterable[str]) -> set[str]:
-    return {m[1] for n in names if (m := _JOB_OF_NAME.match(n)) and valid_job_id(m[1])}
+def _job_of(name: str) -> str | None:
+    """The job a state entry's name is of (``<job>.json``, ``<job>``, ``<job>.<step>``)."""
+    m = _JOB_OF_NAME.match(name)
+    return m[1] if m and valid_job_id(m[1]) else None
 
 
 def _newest(paths: Iterable[Path]) -> float:
@@ -62,7 +64,7 @@ def _entries(state_dir: str) -> dict[str, list[Path]]:
         except OSError:
             continue
         for name in names:
-            for job in _job_ids([name]):
+            if job := _job_of(name):
                 found.setdefault(job, []).append(d / name)
     return found
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,17 @@ def _traces(tmp_path: Path, job: str) -> list[str]:
     with open("/proc/self/mountinfo") as f:
         found += [ln.split()[4] for ln in f if ln.split()[4].startswith(str(state))]
     return sorted(found)
+
+
+@pytest.fixture(autouse=True)
+def unmounted(tmp_path: Path) -> Iterator[None]:
+    """A test that fails before an epilog ran leaves no mount of its own behind."""
+    yield
+    state = str(tmp_path / "state")
+    with open("/proc/self/mountinfo") as f:
+        left = [ln.split()[4] for ln in f if ln.split()[4].startswith(state)]
+    for target in reversed(left):
+        subprocess.run(["umount", "-l", target], check=False, capture_output=True)
 
 
 @pytest.fixture
