@@ -364,10 +364,11 @@ def account(
     on = sum(f.end - f.start for f in faults)
     off = max(1.0, (t1 - t0) - on)
     during = sum(1 for t in ends if faulty(t))
-    costs = {}
+    # Each fault's own (a kind hits a node more than once in a long soak).
+    costs: list[float | None] = []
     for f in faults:
         after = [t - f.end for t in ends if t >= f.end]
-        costs[f"{f.kind}@{f.node}"] = round(min(after), 1) if after else None
+        costs.append(round(min(after), 1) if after else None)
     left, resumable = leaks(site, {(raw, n) for raw, n, _st in runs})
     return {
         "tasks": {"submitted": sum(a.tasks for a in arrays), **tasks},
@@ -422,8 +423,9 @@ def account(
             "without_faults": round((len(ends) - during) / off * 60, 1),
             "with_a_fault": round(during / on * 60, 1) if on else None,
         },
-        "fault_cost_s": costs,
-        "faults": [dataclasses.asdict(f) for f in faults],
+        "faults": [
+            dataclasses.asdict(f) | {"task_after_s": c} for f, c in zip(faults, costs, strict=True)
+        ],
         "seconds": round(t1 - t0, 1),
     }
 
@@ -503,7 +505,7 @@ def table(report: dict[str, Any]) -> str:
         f"{tp['with_a_fault']} with one"
     )
     for f in report["faults"]:
-        cost = report["fault_cost_s"].get(f"{f['kind']}@{f['node']}")
+        cost = f.get("task_after_s")
         lines.append(
             f"  fault {f['kind']:<16} {f['node']:<4} {f['end'] - f['start']:5.0f} s; "
             f"a task finished {cost if cost is not None else '-'} s after; {f['detail']}"
