@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tfimage.agent.cache.evict import in_use
+from tfimage.agent.cache.evict import abandoned_downloads, in_use
 from tfimage.agent.cache.store import ImageCache
 from tfimage.agent.core import layout, wire
 from tfimage.agent.core.config import Config, load_config
@@ -118,6 +118,7 @@ def _cleanup(
         ("releasing its images", lambda: ImageCache(cfg).release(job_id)),
         ("removing what was staged for it", lambda: discard_staged_of_job(cfg, job_id)),
         ("unmounting images no job uses", lambda: stuck.extend(_unused(cfg))),
+        ("dropping downloads no pull is at", lambda: _abandoned(cfg, job_id, log)),
         ("dropping its GPU baseline", lambda: drop_baseline(cfg.state_dir, job_id)),
         ("forgetting its default image", lambda: _forget_default(cfg, job_id)),
         ("recording its usage", lambda: _record(cfg, slurm, facts, after)),
@@ -142,6 +143,13 @@ def discard_staged_of_job(cfg: Config, job_id: str) -> None:
     for path in layout.cache_staged_of_job(cfg.cache_dir, job_id):
         if not path.is_dir():
             path.unlink(missing_ok=True)
+
+
+def _abandoned(cfg: Config, job_id: str, log: logging.Logger) -> None:
+    """What a failed pull kept to resume (cache/evict.py): a job's failure leaves
+    nothing behind."""
+    for path in abandoned_downloads(ImageCache(cfg)):
+        log.info("job %s: dropped %s, a download a failed pull left", job_id, path.name)
 
 
 def _unused(cfg: Config) -> list[str]:

@@ -149,24 +149,43 @@ def stale_partials(
             continue  # only root writes tmp/: a link there is left for an operator
         if path.parent.name == "staged" and path.is_dir() and not path.is_symlink():
             continue  # staged/ holds files alone: a directory there is left for an operator
-        # The digest's lock, by its key: the pull at work on it holds that.
-        key = path.name.removeprefix(layout.CONVERT_PREFIX)[: layout.KEY_LENGTH]
         try:
             if now - path.lstat().st_mtime < cache.cfg.cache_min_age:
                 continue
-            with held(layout.cache_lock(cache.root, key), blocking=False):
-                if not dry_run:
-                    if path.is_dir() and not path.is_symlink():
-                        shutil.rmtree(path, ignore_errors=True)
-                    else:
-                        with contextlib.suppress(FileNotFoundError):
-                            path.unlink()
-                gone.append(path)
-        except BlockingIOError:
-            continue  # a pull is resuming it right now
         except OSError:
             continue
+        if _drop_unheld(cache, path, dry_run=dry_run):
+            gone.append(path)
     return gone
+
+
+def abandoned_downloads(cache: ImageCache) -> list[Path]:
+    """Drop the partial downloads in ``tmp/`` that no pull is at now, whatever their
+    age: what a failed pull kept to resume.  The epilog calls it, so that a job whose
+    image could not be pulled leaves nothing behind when it ends (the soak's leak
+    check); a pull asked again before then, or within the same pull, still resumes."""
+    return [
+        path
+        for path in layout.cache_tmp(cache.root).glob(f"{layout.KEY_PREFIX}*.partial")
+        if _drop_unheld(cache, path, dry_run=False)
+    ]
+
+
+def _drop_unheld(cache: ImageCache, path: Path, *, dry_run: bool) -> bool:
+    """Remove ``path`` (unless ``dry_run``) under its digest's lock, taken without
+    waiting; whether it was free (the pull at work on a digest holds its lock)."""
+    key = path.name.removeprefix(layout.CONVERT_PREFIX)[: layout.KEY_LENGTH]
+    try:
+        with held(layout.cache_lock(cache.root, key), blocking=False):
+            if not dry_run:
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+            return True
+    except OSError:  # BlockingIOError: a pull is resuming it right now
+        return False
 
 
 def orphans(cache: ImageCache, *, dry_run: bool = False) -> list[Path]:

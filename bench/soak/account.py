@@ -31,9 +31,6 @@ FINISHED = {
 # its prolog: NODE_FAIL) before the one that ran, oldest first.
 SACCT = ["sacct", "-n", "-P", "-X", "-D", "-o", "JobIDRaw,JobID,State,ExitCode,NodeList,Start,End"]
 Row = dict[str, str]
-# A pull resumes a partial download from its last whole 4 KiB block (O_DIRECT's:
-# agent/cache/download.py's ALIGN); a shorter one is nobody's (cache/pull.py).
-RESUMABLE_BYTES = 4096
 
 
 def _sacct(site: Site, arrays: list[Array], wait: float = 60) -> tuple[dict[str, Row], list[Row]]:
@@ -221,31 +218,16 @@ def is_out_of_service(state: str) -> bool:
     )
 
 
-def partial(path: Path, cache: Path) -> tuple[bool, str]:
-    """Whether the partial download ``path`` in ``cache`` is kept to resume (see
-    :func:`leaks`), and what it is."""
-    size = path.lstat().st_size
-    published = (cache / "images" / path.name.replace(".partial", ".sif")).exists()
-    what = f"{path.name} ({size} bytes{', its image published' * published})"
-    return size >= RESUMABLE_BYTES and not published, what
-
-
-def leaks(site: Site, ran: set[tuple[str, str]]) -> tuple[dict[str, list[str]], list[str]]:
+def leaks(site: Site, ran: set[tuple[str, str]]) -> dict[str, list[str]]:
     """What the soak's jobs (``ran``: each job id and node that ran it) left on its
-    nodes once none runs (each list must be empty), and the downloads kept to
-    resume.  A hold of another job is not the soak's: one a crash ended before it,
-    its id used again since (the local cluster's ids start again at each ``up``),
-    which the cache drops at its next prune (cache/evict.py's reclaim).
-
-    A partial download that a registry fault cut is kept by design: the next pull
-    of its image on that node resumes it, and the maintenance prune drops it after
-    cache_min_age.  It is a leak when no pull could resume from it (less than a
-    whole block) or its image was published on the node all the same (the pull
-    that did so should have taken it)."""
+    nodes once none runs (each list must be empty).  A hold of another job is not
+    the soak's: one a crash ended before it, its id used again since (the local
+    cluster's ids start again at each ``up``), which the cache drops at its next
+    prune (cache/evict.py's reclaim).  A partial download a failed pull kept is
+    its job's epilog's to drop (cache/evict.py's abandoned_downloads)."""
     found: dict[str, list[str]] = {
         k: [] for k in ("mounts", "loops", "fuse", "holds", "job-state", "partials", "temp")
     }
-    kept: list[str] = []
     for node in site.nodes:
         mounts = site.on_node(node, ["findmnt", "-rn", "-o", "TARGET"]).stdout.split()
         found["mounts"] += [
@@ -267,16 +249,14 @@ def leaks(site: Site, ran: set[tuple[str, str]]) -> tuple[dict[str, list[str]], 
                 holders = ["(unreadable)"]
             found["holds"] += [f"{node}:{meta.stem}:{h}" for h in holders if (h, node) in ran]
         for p in cache.glob("tmp/*"):
-            if not p.name.endswith(".partial"):
-                found["temp"].append(f"{node}:{p.name}")
-                continue
-            resumable, what = partial(p, cache)
-            (kept if resumable else found["partials"]).append(f"{node}:{what}")
+            (found["partials"] if p.name.endswith(".partial") else found["temp"]).append(
+                f"{node}:{p.name} ({p.lstat().st_size} bytes)"
+            )
     loops = site.run(["losetup", "-a"]).stdout.splitlines()
     found["loops"] = [x for x in loops if "/var/cache/tfimage" in x or str(site.state) in x]
     fuse = site.run(["pgrep", "-a", "squashfuse"]).stdout.splitlines()
     found["fuse"] = [x for x in fuse if "tfimage" in x]
-    return found, kept
+    return found
 
 
 def account(
@@ -369,7 +349,6 @@ def account(
     for f in faults:
         after = [t - f.end for t in ends if t >= f.end]
         costs.append(round(min(after), 1) if after else None)
-    left, resumable = leaks(site, {(raw, n) for raw, n, _st in runs})
     return {
         "tasks": {"submitted": sum(a.tasks for a in arrays), **tasks},
         "lost": lost,
@@ -378,8 +357,7 @@ def account(
         "reasons": dict(reasons.most_common()),
         "drained": drained,
         "node_states": states,
-        "leaks": left,
-        "kept_to_resume": resumable,
+        "leaks": leaks(site, {(raw, n) for raw, n, _st in runs}),
         "usage": {
             "records": len(records),
             "expected": len(matched["recorded"]),
@@ -477,11 +455,6 @@ def table(report: dict[str, Any]) -> str:
         + ", ".join(f"{n} {s}" for n, s in report["node_states"].items())
     )
     lines.append("leaks: " + ", ".join(f"{k} {len(v)}" for k, v in report["leaks"].items()))
-    if report.get("kept_to_resume"):
-        lines.append(
-            f"  kept to resume (not leaks): {len(report['kept_to_resume'])} partial "
-            "downloads a fault cut: " + ", ".join(report["kept_to_resume"][:3])
-        )
     u = report["usage"]
     lines.append(
         f"usage records: {u['records']} for {u['expected']} job-node runs "

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 from soak import FAULTS, problems
-from soak.account import compare_usage, is_out_of_service, match_records, node_state, partial
+from soak.account import compare_usage, is_out_of_service, match_records, node_state
 from soak.faults import Injector
 from soak.work import expected_output, plan, reason, script_text, slurm_reason
 
@@ -165,21 +165,3 @@ def test_a_node_in_three_partitions_is_one_state_and_down_in_any_is_counted() ->
         assert not is_out_of_service(up), up
     for out in ("down\ndown", "down*", "drained", "draining", "fail", "idle drained"):
         assert is_out_of_service(node_state(out)), out
-
-
-def test_a_cut_download_is_kept_to_resume_but_not_once_empty_or_its_image_published(
-    tmp_path: Path,
-) -> None:
-    (tmp_path / "tmp").mkdir()
-    (tmp_path / "images").mkdir()
-    cut, empty, taken = (tmp_path / "tmp" / f"sha256-{c * 64}.partial" for c in "abc")
-    cut.write_bytes(b"x" * 8192)
-    empty.write_bytes(b"x" * 100)  # less than the whole block a resume starts from
-    taken.write_bytes(b"x" * 8192)
-    (tmp_path / "images" / f"sha256-{'c' * 64}.sif").write_bytes(b"sif")
-    assert partial(cut, tmp_path) == (True, f"{cut.name} (8192 bytes)")
-    assert partial(empty, tmp_path) == (False, f"{empty.name} (100 bytes)")
-    assert partial(taken, tmp_path) == (
-        False,
-        f"{taken.name} (8192 bytes, its image published)",
-    )

@@ -347,6 +347,33 @@ def test_prune_drops_interrupted_downloads_nobody_resumed(
     assert left == sorted([f"{busy}.partial", f"{young}.partial"])  # marks went too
 
 
+def test_an_epilog_drops_every_download_no_pull_is_at_and_nothing_else(
+    filled: tuple[ImageCache, dict[str, str], Path],
+) -> None:
+    import fcntl
+
+    from tfimage.agent.cache.evict import abandoned_downloads
+
+    cache, _, _ = filled
+    tmp = cache.root / "tmp"
+    young, busy = (f"sha256-{c * 64}" for c in "ab")
+    for name in (young, busy):
+        (tmp / f"{name}.partial").write_bytes(b"x" * 8192)
+    converting = tmp / f"sha256-{'c' * 64}.converted"  # its pull discards it itself
+    converting.write_bytes(b"sif")
+    (cache.root / "staged").mkdir(exist_ok=True)
+    staged = cache.root / "staged" / f"sha256-{'d' * 64}.sif"  # for a job yet to start
+    staged.write_bytes(b"sif")
+    fd = os.open(cache.root / "locks" / f"{busy}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a pull resuming it now
+    try:
+        assert [p.name for p in abandoned_downloads(cache)] == [f"{young}.partial"]
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in tmp.iterdir()) == sorted([f"{busy}.partial", converting.name])
+    assert staged.exists()
+
+
 # --- an entry is its image and its metadata: never one without the other -------------
 
 

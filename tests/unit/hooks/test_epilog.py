@@ -131,7 +131,10 @@ def test_after_a_prolog_killed_halfway_the_epilog_leaves_nothing_and_says_why(
     assert _job_traces(tmp_path, "32"), "the killed prolog left nothing to clean: no test"
     assert epilog([f"--config={cfg}", "--job=32", "--image=x:1", "--exit=1:0", *SLURM]) == 0
     assert _job_traces(tmp_path, "32") == []
-    assert _log(tmp_path) == []
+    # The download the kill cut goes with the job (no later pull of it is coming).
+    assert list((tmp_path / "cache" / "tmp").glob("*.partial")) == []
+    said = _log(tmp_path)
+    assert len(said) == 1 and "job 32: dropped sha256-" in said[0], said
     (rec,) = _records(tmp_path)
     # The job is recorded as far as the prolog got: its start, no image readied.
     assert rec["cache"] is None and rec["state"] == "FAILED" and rec["exit_code"] == 1

@@ -333,6 +333,33 @@ def test_a_hostile_image_text_is_logged_on_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and "\\nFAKE" in lines[0], lines
 
 
+def test_a_download_a_failed_pull_kept_is_dropped_by_its_jobs_epilog(
+    tls: Path, tmp_path: Path
+) -> None:
+    # The soak on Debian 13 (CI at bbc5ef3): the registry killed under a 1 GB pull,
+    # the job failed, and its partial download stayed on the node after the last
+    # epilog.  Kept to resume while the job lived; nothing of it once it ended.
+    s = Server(tls)
+    try:
+        s.serve(os.urandom(1 << 20), cut_after=300_000, cuts=1000)  # every try cut
+        cfg = tmp_path / "config.yaml"
+        cfg.write_text(
+            f'registry: "{s.host}"\nca_bundle: {tls / "ca.crt"}\n'
+            f"cache_dir: {tmp_path / 'cache'}\nstate_dir: {tmp_path / 'state'}\n"
+            f"hook_log: {tmp_path / 'hooks.log'}\nread_timeout: 5\n"
+        )
+        assert prolog([f"--config={cfg}", "--job=7", "--image=x:1", "--node=n1"]) == 0
+        [kept] = (tmp_path / "cache" / "tmp").iterdir()
+        assert kept.name.endswith(".partial") and kept.stat().st_size >= 4096
+        assert "broke off" in "\n".join(_log(tmp_path))
+
+        assert epilog([f"--config={cfg}", "--job=7", "--image=x:1", "--exit=0:0"]) == 0
+    finally:
+        s.httpd.shutdown()
+    assert list((tmp_path / "cache" / "tmp").iterdir()) == []
+    assert f"job 7: dropped {kept.name}, a download a failed pull left" in _log(tmp_path)[-1]
+
+
 # --- one deadline: the prolog gives up once, and the steps say why at once ------------
 
 
