@@ -69,7 +69,7 @@ int tfi_ask_daemon(const char *sock, char *const argv[], int timeout_s, char **o
 	long long deadline = tfi_now_ms() + (long long)timeout_s * 1000;
 	char *req = NULL, *buf = NULL;
 	size_t reqn = 5, cap = 65536, n = 0;
-	int fd, rc = -2;
+	int fd, rc = -2, unread = 0;
 
 	*out = NULL;
 	*out_len = 0;
@@ -95,9 +95,16 @@ int tfi_ask_daemon(const char *sock, char *const argv[], int timeout_s, char **o
 		memcpy(req + off, argv[i], l);
 		off += (int)l;
 	}
-	if (send_all(fd, req, reqn, deadline) < 0)
-		goto out;
-	shutdown(fd, SHUT_WR);
+	errno = 0;
+	if (send_all(fd, req, reqn, deadline) < 0) {
+		/* A server that answers before it reads (the pin server's "busy") may
+		 * have closed its end first: its answer is waiting all the same. */
+		if (errno != EPIPE && errno != ECONNRESET)
+			goto out;
+		unread = 1;
+	} else {
+		shutdown(fd, SHUT_WR);
+	}
 	for (;;) {
 		ssize_t r;
 		int ready = wait_fd(fd, POLLIN, deadline);
@@ -127,6 +134,8 @@ int tfi_ask_daemon(const char *sock, char *const argv[], int timeout_s, char **o
 			break;
 		n += (size_t)r;
 	}
+	if (n < 8 && unread)
+		goto out; /* closed before it read the request: nothing ran (-2) */
 	if (n < 8) {
 		/* it took the request and died: don't run the step's preparation twice */
 		snprintf(errbuf, errlen, "the tfimage daemon closed without an answer");

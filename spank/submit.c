@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "tfimage.h"
 
@@ -26,16 +27,37 @@ const char *tfi_strip_prefix(const char *msg)
  * else: pin with the helper.  Half the submit deadline at most, so the helper
  * still has the other half.  argv is the helper's (argv[1..] is sent).  Why a
  * running pin server did not pin goes to why: when the helper fails too, the
- * user's own view (no credentials for a private project, say) is not the cause. */
+ * user's own view (no credentials for a private project, say) is not the cause.
+ * A busy server (its slots taken: one user's flood, this user's own burst of
+ * submissions) is asked again, backing off from 100 ms to 1 s with jitter, while
+ * that half lasts: the helper pins with the user's own credentials, which a
+ * private project's image does not take (the soak: 20 of 2,000 refused so). */
 static int ask_pin_server(char *const argv[], char **out, size_t *len, char *err,
 			  size_t errlen, char *why, size_t whylen)
 {
 	int timeout = tfi_conf.submit_timeout > 1 ? tfi_conf.submit_timeout / 2 : 1;
+	long long until = tfi_now_ms() + (long long)timeout * 1000;
+	long long pause = 100;
+	/* its own generator: the host program's random() is not the plugin's to seed */
+	unsigned int seed = (unsigned int)getpid() ^ (unsigned int)until;
 	int rc;
 
 	if (!tfi_conf.pin_socket[0])
 		return -2;
-	rc = tfi_ask_daemon(tfi_conf.pin_socket, argv, timeout, out, len, err, errlen);
+	for (;;) {
+		long long left = (until - tfi_now_ms() + 999) / 1000;
+		long long nap = pause / 2 + (long long)(rand_r(&seed) % (pause + 1));
+
+		rc = tfi_ask_daemon(tfi_conf.pin_socket, argv, left > 1 ? (int)left : 1, out,
+				    len, err, errlen);
+		if (rc != TFI_PIN_BUSY || tfi_now_ms() + nap + 1000 > until)
+			break;
+		free(*out);
+		*out = NULL;
+		*len = 0;
+		usleep((useconds_t)(nap * 1000));
+		pause = pause * 2 > 1000 ? 1000 : pause * 2;
+	}
 	if (rc == 0 || rc == 2)
 		return rc;
 	if (rc != -2) {

@@ -11,6 +11,8 @@
 /* Seconds a caller waits beyond the config's hook_deadline for the helper or a
  * hook to say it gave up. */
 #define TFI_HOOK_GRACE 30
+/* The pin server's "busy" (EX_TEMPFAIL): its slots are taken; ask again shortly. */
+#define TFI_PIN_BUSY 75
 /* The most stdout taken in one answer (step-prepare's tokens). */
 #define TFI_MAX_ANSWER 1048576
 

@@ -94,6 +94,9 @@ MAX_ANSWER = 1 << 20
 # Seconds a caller waits beyond the config's hook_deadline for the helper or a hook
 # to say it gave up (the daemon kills a worker two thirds of the way through).
 HOOK_GRACE = 30
+# The pin server's answer when its slots are taken (EX_TEMPFAIL): the plugin asks
+# again, within its share of submit_timeout, before it pins by itself.
+PIN_BUSY = 75
 
 STEP_PREPARE = "step-prepare"
 SUBMIT_CHECK = "submit-check"
@@ -257,6 +260,7 @@ SUBMIT_CHECK_FLAGS = (
 C_CONSTANTS: dict[str, str | int] = {
     "TFI_WIRE_MAGIC": MAGIC[:-1].decode(),
     "TFI_HOOK_GRACE": HOOK_GRACE,
+    "TFI_PIN_BUSY": PIN_BUSY,
     "TFI_MAX_ANSWER": MAX_ANSWER,
     "TFI_CMD_STEP_PREPARE": STEP_PREPARE,
     "TFI_CMD_SUBMIT_CHECK": SUBMIT_CHECK,

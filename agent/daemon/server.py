@@ -31,8 +31,9 @@ pinning a reference at submit (pinserver.py: its request and its trust).  A requ
 must arrive whole within ``PIN_READ`` seconds (not per read: a byte every second
 holds nothing for long); at most ``MAX_PINS`` run at once and at most
 ``MAX_PINS_PER_UID`` for one user, so one user's flood leaves the other slots to
-everyone else.  Beyond those, a request is answered "busy" at once and the plugin
-pins by itself.
+everyone else.  Beyond those, a request is answered "busy" (``wire.PIN_BUSY``) at
+once; the plugin asks again, backing off, within its share of submit_timeout, and
+then pins by itself.
 
 ``--trace FILE`` (an operator's, and the wire tests') appends each request and its
 answer to FILE as a JSON line, mode 0600.
@@ -250,7 +251,7 @@ def _loop(
                     # reset (the plugin pins by itself either way).
                     with contextlib.suppress(OSError):
                         conn.recv(worker.MAX_REQUEST, socket.MSG_DONTWAIT)
-                    worker.answer(conn, 75, b"tfimage: pin server: busy\n", b"")
+                    worker.answer(conn, wire.PIN_BUSY, b"tfimage: pin server: busy\n", b"")
                     conn.close()
                     continue
             limit = _root_limit(cfg, config_path) if kind != "pin" else PIN_DEADLINE

@@ -188,3 +188,55 @@ def test_the_other_team_cannot_read_the_cached_file_or_the_running_jobs_mount(
     finally:
         cluster.run(["scancel", "-u", cluster.user, "-n", "sleep"], as_root=True)
         p.communicate(timeout=120)
+
+
+# Holds this many of the pin server's slots for the user who runs it, for the
+# seconds given: each connection sends nothing, so its worker waits out PIN_READ
+# (2 s) for a request, and each round opens them again.  After its first round it
+# prints the status one more connection is answered (75: busy).
+_HOLD_PINS = (
+    "import socket, sys, time\n"
+    "end, said = time.time() + float(sys.argv[3]), False\n"
+    "while time.time() < end:\n"
+    "    held = []\n"
+    "    for _ in range(int(sys.argv[2])):\n"
+    "        s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); held.append(s)\n"
+    "    if not said:\n"
+    "        t = socket.socket(socket.AF_UNIX); t.connect(sys.argv[1]); t.settimeout(5)\n"
+    "        print(int.from_bytes(t.recv(8)[:4], 'big', signed=True), flush=True)\n"
+    "        said = True\n"
+    "    for s in held:\n"
+    "        s.settimeout(30); s.recv(1)\n"
+)
+
+
+def test_a_busy_pin_server_is_asked_again_so_a_private_image_still_pins(
+    cluster: Cluster, workdir: Path
+) -> None:
+    """The soak's pin flood (20 of 2,000 tasks refused): with the user's slots on
+    the pin server taken (MAX_PINS_PER_UID: in the soak by the flooding user's
+    own connections, whose jobs then asked; here by the user's), the plugin was
+    answered "busy" and pinned with the user's own credentials, which cannot pin
+    what only the host's robot reads (in the soak: any image, for a user with
+    none; here a team's private image).  It now asks the busy server again within
+    its share of submit_timeout."""
+    if cluster.chroot:
+        pytest.skip("the pin socket is the host's (the other host runs it there)")
+    holder = cluster.start(
+        ["/usr/bin/python3", "-c", _HOLD_PINS, "/run/tfimage/pin.sock", "4", "5"], workdir
+    )
+    job = ""
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "75"  # busy for this user, now
+        r = cluster.run(
+            ["sbatch", "--parsable", f"--tf-image={PRIVATE}", "-o", "/dev/null", "--wrap", "true"],
+            cwd=workdir,
+        )
+        assert r.returncode == 0, r.stderr
+        job = r.stdout.strip()
+    finally:
+        holder.kill()
+        holder.wait(10)
+        if job:
+            cluster.run(["scancel", job], as_root=True)
