@@ -290,8 +290,8 @@ class Puller:
                 # This registry streams whole blobs only: one stream, from what came.
                 self._fetch(client, ref, layer, tmp, 1, progress)
         except RegistryUnreachable:
-            # Kept for the next pull to resume (the maintenance prune drops it after
-            # cache_min_age); one too short to resume from is nobody's.
+            # Kept for the next pull to resume while the job lives (its epilog drops
+            # it: evict.abandoned_downloads); one too short to resume from is nobody's.
             if _resumable(tmp) == 0:
                 discard(tmp)
             raise
