@@ -67,7 +67,7 @@ def test_at_submit_the_other_team_hears_what_a_missing_repository_says_and_nothi
     ], err
     missing = _tf_lines(_srun(other, otherdir, "team-a/nothing:1.0")[2])
     assert missing == [line.replace("team-a/tiny", "team-a/nothing") for line in refused]
-    assert cluster.job_ids() == before  # nothing was queued
+    assert cluster.job_ids() <= before  # nothing was queued (old ones may age out)
 
 
 def test_a_job_pinned_before_access_changed_is_refused_by_the_prolog_on_a_cache_hit(

@@ -48,7 +48,7 @@ def test_a_docker_hub_name_on_a_site_without_a_proxy_says_so_at_submit(
     assert r.returncode != 0
     lines = _our_lines(r.stderr)
     assert len(lines) == 1 and "this site has no Docker Hub proxy" in lines[0], r.stderr
-    assert cluster.job_ids() == before
+    assert cluster.job_ids() <= before  # nothing queued (old ones may age out)
 
 
 # --- a registry that hangs at submit ----------------------------------------------------------

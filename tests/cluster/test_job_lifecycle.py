@@ -134,7 +134,7 @@ def test_invalid_reference_rejected_before_queueing(
     assert r.returncode != 0
     assert re.search(rf"tfimage: submit: .*{why}", r.stderr), r.stderr
     assert "Traceback" not in r.stderr
-    assert cluster.job_ids() == before
+    assert cluster.job_ids() <= before  # nothing queued (old ones may age out)
 
 
 def test_root_tasks_are_refused_with_a_message(cluster: Cluster, workdir: Path) -> None:
@@ -150,7 +150,7 @@ def test_an_image_that_is_not_there_is_rejected_at_submit(cluster: Cluster, work
     registry = cluster.env["TFIMAGE_REGISTRY"]
     said = f"tfimage: submit: {registry}/library/no-such-image: no such repository, or not"
     assert said in r.stderr, r.stderr  # test_adoption.py: the tag typo's "did you mean"
-    assert cluster.job_ids() == before
+    assert cluster.job_ids() <= before  # nothing queued (old ones may age out)
 
 
 def test_image_that_cannot_be_pulled_fails_job_and_node_stays_up(

@@ -46,7 +46,7 @@ def test_mount_outside_allowed_prefixes_rejected_at_submit(cluster: Cluster, wor
     )
     assert r.returncode != 0
     assert "tfimage: submit: --tf-mount '/etc:/hostetc': host path /etc is outside" in r.stderr
-    assert cluster.job_ids() == before
+    assert cluster.job_ids() <= before  # nothing queued (old ones may age out)
 
 
 def test_a_mount_inside_the_sites_bind_is_refused_at_submit(
@@ -64,7 +64,7 @@ def test_a_mount_inside_the_sites_bind_is_refused_at_submit(
         f"tfimage: submit: --tf-mount {workdir}:/mnt/d: destination /mnt/d lies inside /mnt, "
         "which the site binds into every container" in r.stderr
     )
-    assert cluster.job_ids() == before
+    assert cluster.job_ids() <= before  # nothing queued (old ones may age out)
 
 
 def test_missing_mount_source_fails_the_step_clearly(cluster: Cluster, workdir: Path) -> None:
