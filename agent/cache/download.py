@@ -63,6 +63,12 @@ class _Stopped(Exception):  # noqa: N818 - a signal between threads, not an erro
     """The download was abandoned; a worker just leaves."""
 
 
+def resume_point(kept: int) -> int:
+    """Where a download resumes from a partial file of ``kept`` bytes: its last
+    whole block (O_DIRECT writes aligned ones)."""
+    return kept - kept % ALIGN
+
+
 def jobs(start: int, size: int, connections: int, stripe: int) -> list[tuple[int, int]]:
     """The requests ``[a, b)`` for bytes ``[start, size)``: stripes when there are
     several connections and at least two stripes' worth, else one stream."""

@@ -166,7 +166,7 @@ def abandoned_downloads(cache: ImageCache) -> list[Path]:
     check); a pull asked again before then, or within the same pull, still resumes."""
     return [
         path
-        for path in layout.cache_tmp(cache.root).glob(f"{layout.KEY_PREFIX}*.partial")
+        for path in layout.cache_partials(cache.root)
         if _drop_unheld(cache, path, dry_run=False)
     ]
 

@@ -328,7 +328,7 @@ class Puller:
             if not stat.S_ISREG(os.fstat(out.fileno()).st_mode):
                 raise CacheError(f"{tmp}: not a regular file")
             kept = os.fstat(out.fileno()).st_size
-            kept = 0 if kept > size else kept - kept % download.ALIGN  # O_DIRECT goes on aligned
+            kept = 0 if kept > size else download.resume_point(kept)
             out.truncate(kept)
 
             def consume(block: memoryview) -> None:
@@ -359,11 +359,10 @@ class Puller:
 
 
 def _resumable(partial: Path) -> int:
-    """How much of ``partial`` a pull would resume from: whole O_DIRECT blocks."""
-    from tfimage.agent.cache.download import ALIGN
+    """How much of ``partial`` a pull would resume from."""
+    from tfimage.agent.cache.download import resume_point
 
     try:
-        size = partial.lstat().st_size
+        return resume_point(partial.lstat().st_size)
     except FileNotFoundError:
         return 0
-    return size - size % ALIGN

@@ -214,6 +214,11 @@ def cache_partial(cache_dir: StrPath, digest: str) -> Path:
     return cache_tmp(cache_dir) / f"{key(digest)}.partial"
 
 
+def cache_partials(cache_dir: StrPath) -> list[Path]:
+    """Every download in progress or interrupted (``tmp/sha256-<hex>.partial``)."""
+    return list(cache_tmp(cache_dir).glob(f"{KEY_PREFIX}*.partial"))
+
+
 def cache_converted(cache_dir: StrPath, digest: str) -> Path:
     return cache_tmp(cache_dir) / f"{key(digest)}.converted"
 
@@ -260,7 +265,7 @@ def cache_leftovers(cache_dir: StrPath) -> list[Path]:
     tmp = cache_tmp(cache_dir)
     return sorted(
         [
-            *tmp.glob(f"{KEY_PREFIX}*.partial"),
+            *cache_partials(cache_dir),
             *tmp.glob(f"{KEY_PREFIX}*.converted"),
             *tmp.glob(f"{KEY_PREFIX}*.adopting"),
             *tmp.glob(f"{KEY_PREFIX}*.adopted"),
